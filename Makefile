@@ -1,0 +1,31 @@
+# The two commands: `make serve` and `make test`. Each creates .venv when missing and
+# installs everything it needs, idempotently (re-run only when pyproject.toml changes).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test test-unit test-e2e bench install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q tests/e2e
+
+bench: $(STAMP)
+	$(VENV)/bin/tandem bench engine

@@ -1,0 +1,78 @@
+"""The offline API: ``LLM(model_dir).generate(prompts, params)`` and ``.stream(...)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence as Seq
+
+from .llm_engine import EngineConfig, LLMEngine, RequestOutput
+from .params import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    """Batched generation on one engine.
+
+    >>> llm = LLM("checkpoints/demo/target", dtype="bfloat16")        # doctest: +SKIP
+    >>> out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
+    >>> print(out[0].text, out[0].finish_reason)                       # doctest: +SKIP
+    """
+
+    def __init__(self, model_dir: str, dtype: str = "float32", page_size: int = 16,
+                 kv_layout: str = "HND", num_pages: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 device: str = "cpu"):
+        self.engine = LLMEngine(EngineConfig(
+            str(model_dir), dtype, page_size, kv_layout, num_pages, max_num_seqs,
+            max_num_batched_tokens, max_model_len, device))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Complete every prompt; all requests are validated before any is queued."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        if len({s.request_id for s in seqs}) != len(seqs):
+            raise ValueError("duplicate request ids")
+        for s in seqs:
+            self.engine.add(s)
+        texts = {s.request_id: [] for s in seqs}
+        reasons: dict[str, str] = {}
+        while len(reasons) < len(seqs):
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [CompletionOutput(s.prompt_ids, list(s.output_ids), "".join(texts[s.request_id]),
+                                 reasons[s.request_id]) for s in seqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield token deltas of one request as they are produced; the last has
+        ``finished`` set. Closing the generator early aborts the request."""
+        rid = self.engine.add_request(prompt, params or SamplingParams())
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort(rid)

@@ -1,0 +1,188 @@
+"""The engine: requests in, one batched step at a time, token deltas out."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kv_cache import KV_LAYOUTS, KVPagePool, PageAllocator, pages_needed
+from ..models import load_model
+from ..models.tokenizer import generation_eos_ids, load_tokenizer
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .params import SamplingParams
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (deltas; ``finished`` on the last)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None       # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_layout: str = "HND"
+    num_pages: int | None = None      # default: a 512 MiB KV pool, capped at what is useful
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"page_size={self.page_size} is invalid; allowed: an integer >= 1")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r} is invalid; allowed: HND, NHD")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 1")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages={self.num_pages} is invalid; allowed: >= 1")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model = load_model(config.model_dir, config.dtype, config.device)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        cfg = self.model.config
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
+        page_size = config.page_size
+        dtype = self.model.embed_tokens.weight.dtype
+        num_pages = config.num_pages or self._default_num_pages(dtype)
+        self.allocator = PageAllocator(num_pages)
+        self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
+                               page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
+        self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    def _default_num_pages(self, dtype) -> int:
+        cfg, c = self.model.config, self.config
+        page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * c.page_size
+                      * cfg.head_dim * torch.finfo(dtype).bits // 8)
+        useful = c.max_num_seqs * pages_needed(self.max_model_len, c.page_size)
+        return max(1, min(DEFAULT_KV_CACHE_BYTES // page_bytes, useful))
+
+    # -- requests -------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; allowed: a non-empty string or token id list")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is text but {self.config.model_dir} has no "
+                                 "tokenizer.json; pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty; allowed: a non-empty string or token id list")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in 0..{vocab - 1}")
+        return ids
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams,
+                      request_id: str | None = None) -> Sequence:
+        """Validate a request and build its sequence without changing engine state."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.tokenize(prompt)
+        total = len(ids) + params.max_tokens
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context (max_model_len) is "
+                             f"{self.max_model_len}, leaving room for at least one new token")
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds the context (max_model_len={self.max_model_len}); "
+                             f"allowed: max_tokens <= {self.max_model_len - len(ids)}")
+        need = pages_needed(total, self.config.page_size)
+        if need > self.allocator.num_pages:
+            raise ValueError(f"request needs {need} KV pages ({total} tokens), the pool has "
+                             f"{self.allocator.num_pages}; lower max_tokens or raise num_pages")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id=rid, prompt_ids=ids, params=params, stop_ids=stop_ids,
+                        generator=gen)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.arrival = next(self._arrivals)
+        self.seqs[seq.request_id] = seq
+        self.detoks[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_ids, seq.params.stop)
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        logits = self.runner.forward(plan.seqs)
+        sampling = [s.seq for s in plan.seqs if s.samples]
+        for s in plan.seqs:
+            s.seq.num_computed = s.end
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens)]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        detok = self.detoks[seq.request_id]
+        detok.add(token)
+        if token in seq.stop_ids or detok.stopped:
+            return self._finish(seq, "stop", [token])
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", [token])
+        return self._output(seq, [token], detok.take(final=False), None)
+
+    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = ()) -> RequestOutput:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        del self.seqs[seq.request_id]
+        text = self.detoks.pop(seq.request_id).take(final=True)
+        return self._output(seq, list(new_ids), text, reason)
+
+    def _output(self, seq, new_ids, text, reason) -> RequestOutput:
+        return RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
+                             len(seq.prompt_ids), len(seq.output_ids))

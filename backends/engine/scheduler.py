@@ -1,0 +1,122 @@
+"""Continuous batching: waiting/running queues, chunked prefill under a per-step token
+budget, admission by free pages, and preemption (recompute) when pages run out."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv_cache import PageAllocator, pages_needed
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+    @property
+    def end(self) -> int:
+        return self.seq.num_computed + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so a new token is sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """The interface between scheduler and model runner for one step."""
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # admission order: oldest first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> BatchPlan:
+        plan = BatchPlan()
+        budget = self.max_num_batched_tokens
+        # running sequences first (decodes and unfinished prefill chunks), oldest first;
+        # when pages run out the newest running sequence is preempted
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._reserve(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.seqs.append(ScheduledSeq(seq, n))
+                budget -= n
+        # then admit waiting sequences while pages, slots and budget last
+        while self.waiting and budget > 0 and not plan.preempted \
+                and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            plan.seqs.append(ScheduledSeq(seq, n))
+            budget -= n
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's pages and slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_alloc(need):
+            return False
+        seq.pages.extend(self.allocator.alloc(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # recompute preemption: drop the KV, keep the tokens, go back to the queue's head
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        seq.num_computed = 0

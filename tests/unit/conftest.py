@@ -1,0 +1,13 @@
+import pytest
+
+from .tiny_checkpoints import ARCHS, make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_checkpoint(request, checkpoint_root):
+    return make_checkpoint(request.param, checkpoint_root)
