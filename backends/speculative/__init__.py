@@ -1,0 +1,3 @@
+from .verify import chain_speculative_sampling
+
+__all__ = ["chain_speculative_sampling"]
