@@ -29,7 +29,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 like the HF reference, so greedy parity holds in bf16 too
+        if x.dtype != torch.float32:
+            # the fused kernel accumulates in fp32 too; one op instead of eight per norm
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # fp32 mirrors the HF reference op for op, so greedy parity is exact
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

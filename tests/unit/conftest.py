@@ -1,4 +1,9 @@
 import pytest
+import torch
+
+# one thread: the tests share two cores with each other's servers and with training runs,
+# and oversubscribed torch threads slow everything down many times over
+torch.set_num_threads(1)
 
 from .tiny_checkpoints import ARCHS, make_checkpoint
 
