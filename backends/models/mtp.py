@@ -1,0 +1,84 @@
+"""The MTP head: one decoder layer that drafts from the target's hidden states.
+
+EAGLE-style with the RMSNorms EAGLE dropped put back. Row ``i`` of the head sees the
+token ``t_{i+1}`` and the target's hidden state ``h_i`` (so token buffers are shifted
+left by one against hidden states) and predicts ``t_{i+2}``:
+
+    x_i   = proj([embed_norm(embed(t_{i+1})); hidden_norm(h_i)])
+    g_i   = decoder_layer(x_i)                  # attends over rows 0..i, rope position i
+    logit = lm_head(target.norm(g_i))           # the target's frozen final norm and lm_head
+
+``g_i`` lives in the target's pre-norm hidden space (training regresses it onto
+``h_{i+1}``), so a draft of several tokens feeds ``g_i`` back in place of ``h``.
+``use_norms=False`` is the EAGLE-1 variant without the re-introduced norms.
+The embeddings and lm_head belong to the target and are shared, never copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import AttentionBackend, DecoderLayer, RMSNorm
+from .llama import LlamaForCausalLM
+
+MTP_ARCHITECTURE = "TandemMTPHead"
+
+
+class MTPHead(nn.Module):
+    def __init__(self, target_cfg: ModelConfig, use_norms: bool = True):
+        super().__init__()
+        self.config = dataclasses.replace(target_cfg, num_hidden_layers=1)
+        self.use_norms = use_norms
+        h = target_cfg.hidden_size
+        self.embed_norm = RMSNorm(h, target_cfg.rms_norm_eps) if use_norms else nn.Identity()
+        self.hidden_norm = RMSNorm(h, target_cfg.rms_norm_eps) if use_norms else nn.Identity()
+        self.proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(self.config, 0)
+        if not use_norms:
+            self.layer.input_layernorm = nn.Identity()
+
+    def forward(self, target: LlamaForCausalLM, next_ids: torch.Tensor, hidden: torch.Tensor,
+                positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """next_ids [N] (t_{i+1}), hidden [N, H] (h_i, pre-norm) -> g [N, H] (pre-norm)."""
+        x = torch.cat([self.embed_norm(target.embed_tokens(next_ids)), self.hidden_norm(hidden)], -1)
+        cos, sin = target.rotary_table().lookup(positions)
+        return self.layer(self.proj(x), cos, sin, attn)
+
+
+def save_mtp_head(head: MTPHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                  extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": [MTP_ARCHITECTURE], "use_norms": head.use_norms,
+           "hidden_size": head.config.hidden_size, "vocab_size": head.config.vocab_size,
+           "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.to(dtype).contiguous() for k, v in head.state_dict().items()},
+              str(out / "model.safetensors"))
+
+
+def load_mtp_head(head_dir: str | Path, target: LlamaForCausalLM) -> MTPHead:
+    """Load a head saved by :func:`save_mtp_head` for this target (shapes are checked)."""
+    from safetensors.torch import load_file
+    head_dir = Path(head_dir)
+    path = head_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"mtp_head: no config.json in {head_dir}")
+    cfg = json.loads(path.read_text())
+    if MTP_ARCHITECTURE not in cfg.get("architectures", []):
+        raise ValueError(f"mtp_head: {head_dir} is not a {MTP_ARCHITECTURE} checkpoint")
+    if cfg["hidden_size"] != target.config.hidden_size or cfg["vocab_size"] != target.config.vocab_size:
+        raise ValueError(f"mtp_head: {head_dir} was trained for hidden {cfg['hidden_size']}, vocab "
+                         f"{cfg['vocab_size']}; the target has {target.config.hidden_size}, "
+                         f"{target.config.vocab_size}")
+    w = target.embed_tokens.weight
+    head = MTPHead(target.config, use_norms=cfg["use_norms"])
+    state = load_file(str(head_dir / "model.safetensors"))
+    head.load_state_dict({k: v.to(w.dtype) for k, v in state.items()})
+    return head.to(w.device).eval().requires_grad_(False)
