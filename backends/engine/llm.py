@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence as Seq
 
 from .llm_engine import EngineConfig, LLMEngine, RequestOutput
+from ..speculative import SpeculativeConfig
 from .params import SamplingParams
 
 
@@ -27,10 +28,10 @@ class LLM:
     def __init__(self, model_dir: str, dtype: str = "float32", page_size: int = 16,
                  kv_layout: str = "HND", num_pages: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", speculative: SpeculativeConfig | None = None):
         self.engine = LLMEngine(EngineConfig(
             str(model_dir), dtype, page_size, kv_layout, num_pages, max_num_seqs,
-            max_num_batched_tokens, max_model_len, device))
+            max_num_batched_tokens, max_model_len, device, speculative))
 
     @property
     def tokenizer(self):

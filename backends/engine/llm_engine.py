@@ -9,9 +9,13 @@ import torch
 
 from ..kv_cache import KV_LAYOUTS, KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
+from ..models.mtp import load_mtp_head
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
+from ..speculative import SpecDecodeMetrics, SpeculativeConfig
+from ..speculative.proposers import DraftModelProposer, MTPProposer, StepHidden
+from ..speculative.verification import verify_drafts
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner
+from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler
@@ -43,8 +47,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     device: str = "cpu"
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
+        if self.speculative is not None:
+            self.speculative.validate()
         if self.page_size <= 0:
             raise ValueError(f"page_size={self.page_size} is invalid; allowed: an integer >= 1")
         if self.kv_layout not in KV_LAYOUTS:
@@ -71,13 +78,35 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages)
         self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
                                page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
+        spec = config.speculative or SpeculativeConfig()
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        self.proposer = self._make_proposer(spec, num_pages, dtype)
+        self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
+        # with speculation a decode step writes k drafts past the scheduled token
+        self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self.num_lookahead_slots)
         self.runner = ModelRunner(self.model, self.pool)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+
+    def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype):
+        """Draft KV pages share the target's page ids: one allocation serves both models."""
+        c = self.config
+        pool = lambda cfg: KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
+                                      c.page_size, cfg.head_dim, dtype, c.kv_layout, c.device)
+        if spec.method == "draft_target":
+            draft = load_model(spec.draft_model, c.dtype, c.device)
+            if draft.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"draft_model: vocab_size {draft.config.vocab_size} differs from "
+                                 f"the target's {self.model.config.vocab_size}")
+            return DraftModelProposer(draft, pool(draft.config))
+        if spec.method == "mtp":
+            head = load_mtp_head(spec.mtp_head, self.model)
+            return MTPProposer(head, self.model, pool(head.config))
+        return None
 
     def _default_num_pages(self, dtype) -> int:
         cfg, c = self.model.config, self.config
@@ -118,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{total} exceeds the context (max_model_len={self.max_model_len}); "
                              f"allowed: max_tokens <= {self.max_model_len - len(ids)}")
-        need = pages_needed(total, self.config.page_size)
+        need = pages_needed(total + self.num_lookahead_slots, self.config.page_size)
         if need > self.allocator.num_pages:
             raise ValueError(f"request needs {need} KV pages ({total} tokens), the pool has "
                              f"{self.allocator.num_pages}; lower max_tokens or raise num_pages")
@@ -159,22 +188,67 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
-        logits = self.runner.forward(plan.seqs)
+        if self.proposer is not None and all(
+                s.num_new_tokens == 1 and s.samples and self.proposer.ready(s.seq) for s in plan.seqs):
+            return self._speculative_step([s.seq for s in plan.seqs])
+        starts = [s.start for s in plan.seqs]
+        batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in plan.seqs], starts,
+                             [s.seq.pages for s in plan.seqs])
+        inputs, hidden = self.runner.forward(batch)
+        rows = inputs.last_rows[[i for i, s in enumerate(plan.seqs) if s.samples]]
+        logits = self.runner.logits(hidden[rows])
         sampling = [s.seq for s in plan.seqs if s.samples]
         for s in plan.seqs:
             s.seq.num_computed = s.end
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return [self._append(seq, tok) for seq, tok in zip(sampling, tokens)]
+        outputs = [self._append(seq, [tok]) for seq, tok in zip(sampling, tokens)]
+        if self.proposer is not None:
+            # prefill and mixed steps decode plainly; the proposer then sees what the target saw
+            ptr = inputs.qo_indptr.tolist()
+            step_hidden: StepHidden = {s.seq.request_id: (starts[i], hidden[ptr[i]:ptr[i + 1]])
+                                       for i, s in enumerate(plan.seqs)}
+            self.proposer.catch_up([s.seq for s in plan.seqs if not s.seq.is_finished], step_hidden)
+        return outputs
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.output_ids.append(token)
+    def _speculative_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Draft k tokens, verify k+1 positions in one target forward, keep the accepted
+        prefix plus one target token, roll the rejected KV back."""
+        k = self.num_speculative_tokens
+        drafts = self.proposer.propose(seqs, k)
+        starts = [s.num_computed for s in seqs]
+        batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
+                              for s, d in zip(seqs, drafts.tolist())], starts, [s.pages for s in seqs])
+        _, hidden = self.runner.forward(batch)
+        logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
+        verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
+                                           [s.generator for s in seqs])
+        outputs, survivors = [], []
+        for i, s in enumerate(seqs):
+            self.spec_metrics.record(accepted[i])
+            s.num_computed = starts[i] + 1 + accepted[i]
+            outputs.append(self._append(s, verified[i, :accepted[i] + 1].tolist()))
+            if not s.is_finished:
+                survivors.append(i)
+        if survivors:
+            live = [seqs[i] for i in survivors]
+            self.proposer.after_verify(live, verified[survivors],
+                                       hidden.view(len(seqs), k + 1, -1)[survivors],
+                                       [starts[i] for i in survivors])
+            for s in live:
+                self.scheduler.trim(s, max(s.num_tokens, s.draft_computed))
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append new tokens, stopping exactly at the first stop condition."""
         detok = self.detoks[seq.request_id]
-        detok.add(token)
-        if token in seq.stop_ids or detok.stopped:
-            return self._finish(seq, "stop", [token])
-        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length", [token])
-        return self._output(seq, [token], detok.take(final=False), None)
+        for n, token in enumerate(tokens, 1):
+            seq.output_ids.append(token)
+            detok.add(token)
+            if token in seq.stop_ids or detok.stopped:
+                return self._finish(seq, "stop", tokens[:n])
+            if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                return self._finish(seq, "length", tokens[:n])
+        return self._output(seq, tokens, detok.take(final=False), None)
 
     def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = ()) -> RequestOutput:
         self.scheduler.finish(seq)

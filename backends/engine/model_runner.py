@@ -1,4 +1,4 @@
-"""Turns a batch plan into one forward pass over the paged KV cache."""
+"""One forward pass of a model over a ragged batch on its paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,19 @@ from ..attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPag
                          append_paged_kv_cache)
 from ..kv_cache import KVPagePool, PageTable, build_page_table
 from ..models import LlamaForCausalLM
-from .scheduler import ScheduledSeq
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The interface between the engine and a runner: each sequence's new tokens,
+    the KV position of the first of them, and the pages that hold its KV."""
+    token_ids: list[list[int]]
+    starts: list[int]
+    page_lists: list[list[int]]
+
+    @property
+    def qo_lens(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
 
 
 @dataclass(slots=True)
@@ -20,28 +32,29 @@ class StepInputs:
     batch_indices: torch.Tensor   # [N] int32: which request each new token belongs to
     page_table: PageTable
     is_decode: bool               # every request has qo_len == 1
-    sample_rows: torch.Tensor     # rows of the last token of each sequence that samples
+
+    @property
+    def last_rows(self) -> torch.Tensor:
+        """Row of each sequence's last new token."""
+        return self.qo_indptr[1:].long() - 1
 
 
-def prepare_inputs(batch: list[ScheduledSeq], page_size: int, device) -> StepInputs:
-    ids, positions, batch_idx, qo_indptr, sample_rows = [], [], [], [0], []
-    for b, s in enumerate(batch):
-        ids.extend(s.seq.token_ids(s.start, s.end))
-        positions.extend(range(s.start, s.end))
-        batch_idx.extend([b] * s.num_new_tokens)
+def prepare_inputs(batch: ForwardBatch, page_size: int, device) -> StepInputs:
+    ids, positions, batch_idx, qo_indptr = [], [], [], [0]
+    for b, (toks, start) in enumerate(zip(batch.token_ids, batch.starts)):
+        ids.extend(toks)
+        positions.extend(range(start, start + len(toks)))
+        batch_idx.extend([b] * len(toks))
         qo_indptr.append(len(ids))
-        if s.samples:
-            sample_rows.append(len(ids) - 1)
     as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=device)
+    ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
     return StepInputs(
         input_ids=as_tensor(ids, torch.long),
         positions=as_tensor(positions, torch.long),
         qo_indptr=as_tensor(qo_indptr, torch.int32),
         batch_indices=as_tensor(batch_idx, torch.int32),
-        page_table=build_page_table([s.seq.pages for s in batch], [s.end for s in batch],
-                                    page_size, device),
-        is_decode=all(s.num_new_tokens == 1 for s in batch),
-        sample_rows=as_tensor(sample_rows, torch.long),
+        page_table=build_page_table(batch.page_lists, ends, page_size, device),
+        is_decode=all(len(t) == 1 for t in batch.token_ids),
     )
 
 
@@ -66,17 +79,22 @@ class PagedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPagePool):
+    """Plans attention for a batch and runs one model (target, draft or MTP head) on it."""
+
+    def __init__(self, model: LlamaForCausalLM | torch.nn.Module, pool: KVPagePool):
+        """``model`` has a ``config`` (head counts) and is called as a LlamaForCausalLM
+        by :meth:`forward`; an MTP head uses :meth:`attention` and calls itself."""
         self.model, self.pool = model, pool
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         # FlashInfer wants a 128 MiB scratch buffer on GPU; the torch path ignores it
         nbytes = 128 << 20 if self.device.type == "cuda" else 8
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace, pool.kv_layout)
         self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, pool.kv_layout)
 
-    def plan(self, inputs: StepInputs):
+    def attention(self, batch: ForwardBatch, on_layer_done=None) -> tuple[StepInputs, PagedAttention]:
+        inputs = prepare_inputs(batch, self.pool.page_size, self.device)
         cfg, t = self.model.config, inputs.page_table
         common = dict(num_qo_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                       page_size=self.pool.page_size, q_data_type=self.dtype,
@@ -84,15 +102,20 @@ class ModelRunner:
         if inputs.is_decode:
             self.decode_wrapper.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len,
                                      head_dim=cfg.head_dim, **common)
-            return self.decode_wrapper
-        self.prefill_wrapper.plan(inputs.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_last_page_len,
-                                  head_dim_qk=cfg.head_dim, causal=True, **common)
-        return self.prefill_wrapper
+            wrapper = self.decode_wrapper
+        else:
+            self.prefill_wrapper.plan(inputs.qo_indptr, t.kv_indptr, t.kv_indices,
+                                      t.kv_last_page_len, head_dim_qk=cfg.head_dim, causal=True,
+                                      **common)
+            wrapper = self.prefill_wrapper
+        return inputs, PagedAttention(self.pool, wrapper, inputs, on_layer_done)
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledSeq], on_layer_done=None) -> torch.Tensor:
-        """fp32 logits [num sampling sequences, vocab] for the sequences that sample."""
-        inputs = prepare_inputs(batch, self.pool.page_size, self.device)
-        attn = PagedAttention(self.pool, self.plan(inputs), inputs, on_layer_done)
-        hidden = self.model(inputs.input_ids, inputs.positions, attn)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+    def forward(self, batch: ForwardBatch, on_layer_done=None) -> tuple[StepInputs, torch.Tensor]:
+        """Pre-norm hidden states [N, hidden] of every new token."""
+        inputs, attn = self.attention(batch, on_layer_done)
+        return inputs, self.model(inputs.input_ids, inputs.positions, attn)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

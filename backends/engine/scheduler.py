@@ -41,8 +41,11 @@ class BatchPlan:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0):
         self.allocator = allocator
+        # speculative decoding writes KV for k drafts (and the draft model one token)
+        # beyond the scheduled tokens: reserve those slots too
+        self.num_lookahead_slots = num_lookahead_slots
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,7 +69,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted in this loop
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self._reserve(seq, seq.num_computed + n):
+            while not self._reserve(seq, seq.num_computed + n + self.num_lookahead_slots):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -80,7 +83,7 @@ class Scheduler:
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, seq.num_computed + n):
+            if not self._reserve(seq, seq.num_computed + n + self.num_lookahead_slots):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -107,6 +110,13 @@ class Scheduler:
         seq.pages.extend(self.allocator.alloc(need))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back pages beyond those holding ``num_tokens`` tokens (rejected drafts)."""
+        keep = pages_needed(num_tokens, self.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+
     def _preempt(self, seq: Sequence) -> None:
         # recompute preemption: drop the KV, keep the tokens, go back to the queue's head
         self.running.remove(seq)
@@ -120,3 +130,5 @@ class Scheduler:
             self.allocator.free(seq.pages)
             seq.pages = []
         seq.num_computed = 0
+        seq.draft_computed = 0
+        seq.draft_logits = seq.draft_hidden = None

@@ -29,6 +29,11 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival: int = 0                    # admission order; preemption takes the newest first
     num_preemptions: int = 0
+    # speculative decoding: the draft's (or MTP head's) cached length, and the logits
+    # (and for MTP the hidden state) its last run left for the next step's first draft
+    draft_computed: int = 0
+    draft_logits: torch.Tensor | None = None
+    draft_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

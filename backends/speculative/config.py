@@ -1,0 +1,36 @@
+"""Speculative decoding settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("draft_target", "mtp")
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """``method=None`` is plain decoding.
+
+    >>> SpeculativeConfig("mtp", num_speculative_tokens=2, mtp_head="checkpoints/demo/mtp").validate()
+    """
+    method: str | None = None
+    num_speculative_tokens: int = 3
+    draft_model: str | None = None
+    mtp_head: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def validate(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method={self.method!r} is invalid; allowed: "
+                             f"{', '.join(METHODS)} or None")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: 1..16")
+        if self.method == "draft_target" and not self.draft_model:
+            raise ValueError("method='draft_target' needs draft_model (a checkpoint directory)")
+        if self.method == "mtp" and not self.mtp_head:
+            raise ValueError("method='mtp' needs mtp_head (a checkpoint directory)")

@@ -1,0 +1,139 @@
+"""Draft proposers: a small draft model, or an MTP head on the target's hidden states.
+
+Both keep, per sequence, ``draft_computed`` (their cached length) and the logits their
+last run left for the next step's first draft token, and follow one protocol:
+
+- ``catch_up(seqs, step_hidden)`` after a plain (prefill or mixed) target step;
+- ``propose(seqs, k)`` -> ``[B, k]`` greedy draft tokens;
+- ``after_verify(seqs, tokens, target_hidden, starts)`` once the target has verified.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.model_runner import ForwardBatch, ModelRunner
+from ..engine.sequence import Sequence
+from ..kv_cache import KVPagePool
+from ..models import LlamaForCausalLM
+from ..models.mtp import MTPHead
+
+# per request id: (first target position computed this step, hidden rows [n, H])
+StepHidden = dict[str, tuple[int, torch.Tensor]]
+
+
+class DraftModelProposer:
+    """Draft-target: the draft has seen every token of the sequence (its KV is one
+    token ahead of the target's) and carries the logits for the next one."""
+
+    def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool):
+        self.runner = ModelRunner(draft, pool)
+
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        return seq.draft_computed == seq.num_tokens and seq.draft_logits is not None
+
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+        """Feed the draft the tokens it has not seen, up to one past the target's cache."""
+        todo = [(s, s.draft_computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]
+        todo = [(s, a, b) for s, a, b in todo if b > a]
+        if not todo:
+            return
+        batch = ForwardBatch([s.token_ids(a, b) for s, a, b in todo], [a for _, a, _ in todo],
+                             [s.pages for s, _, _ in todo])
+        inputs, hidden = self.runner.forward(batch)
+        logits = self.runner.logits(hidden[inputs.last_rows])
+        for i, (s, _, b) in enumerate(todo):
+            s.draft_computed = b
+            s.draft_logits = logits[i] if b == s.num_tokens else None
+
+    def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
+        token = torch.stack([s.draft_logits for s in seqs]).argmax(-1)
+        drafts = [token]
+        for _ in range(k - 1):
+            batch = ForwardBatch([[t] for t in token.tolist()], [s.draft_computed for s in seqs],
+                                 [s.pages for s in seqs])
+            _, hidden = self.runner.forward(batch)
+            for s in seqs:
+                s.draft_computed += 1
+            token = self.runner.logits(hidden).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def after_verify(self, seqs, tokens, target_hidden, starts) -> None:
+        # the draft's KV stays valid only as far as its tokens were accepted
+        for s in seqs:
+            s.draft_computed = min(s.draft_computed, s.num_computed)
+            s.draft_logits = None
+        self.catch_up(seqs)
+
+
+class MTPProposer:
+    """MTP: head row i reads (t_{i+1}, h_i) and predicts t_{i+2}; its cache covers the
+    rows whose target hidden state exists, one short of the sequence."""
+
+    def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool):
+        self.head, self.target = head, target
+        self.runner = ModelRunner(head, pool)
+
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        return seq.draft_computed == seq.num_computed == seq.num_tokens - 1 \
+            and seq.draft_logits is not None
+
+    @torch.inference_mode()
+    def _run(self, seqs, next_ids: list[list[int]], starts: list[int], hidden: torch.Tensor):
+        inputs, attn = self.runner.attention(ForwardBatch(next_ids, starts, [s.pages for s in seqs]))
+        g = self.head(self.target, inputs.input_ids, hidden, inputs.positions, attn)
+        return inputs, g
+
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+        todo = []
+        for s in seqs:
+            a, b = s.draft_computed, s.num_computed
+            if b <= a:
+                continue
+            start, rows = step_hidden[s.request_id]
+            if a < start:
+                raise RuntimeError(f"{s.request_id}: MTP head at row {a} fell behind the target's "
+                                   f"hidden states (from {start})")
+            todo.append((s, a, b, rows[a - start:b - start]))
+        if not todo:
+            return
+        inputs, g = self._run([t[0] for t in todo], [s.token_ids(a + 1, b + 1) for s, a, b, _ in todo],
+                              [a for _, a, _, _ in todo], torch.cat([t[3] for t in todo]))
+        last = inputs.last_rows
+        logits = self.target.compute_logits(g[last])
+        for i, (s, _, b, _) in enumerate(todo):
+            s.draft_computed = b
+            done = b == s.num_tokens - 1
+            s.draft_logits = logits[i] if done else None
+            s.draft_hidden = g[last[i]] if done else None
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
+        token = torch.stack([s.draft_logits for s in seqs]).argmax(-1)
+        g = torch.stack([s.draft_hidden for s in seqs])
+        drafts = [token]
+        for _ in range(k - 1):
+            # beyond the verified tokens there is no target hidden state: feed the head's own
+            _, g = self._run(seqs, [[t] for t in token.tolist()], [s.draft_computed for s in seqs], g)
+            for s in seqs:
+                s.draft_computed += 1
+            token = self.target.compute_logits(g).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def after_verify(self, seqs, tokens: torch.Tensor, target_hidden: torch.Tensor,
+                     starts: list[int]) -> None:
+        """Re-run the head on all k+1 verified rows with the target's hidden states; rows
+        past the accepted tokens are wasted work, cheaper than waiting to know where they end.
+        tokens [B, k+1] (verified, -1 padded), target_hidden [B, k+1, H], starts: the
+        target's cached length before verification."""
+        b, width = tokens.shape
+        inputs, g = self._run(seqs, tokens.clamp_min(0).tolist(), starts,
+                              target_hidden.reshape(b * width, -1))
+        last = torch.tensor([i * width + s.num_computed - 1 - starts[i] for i, s in enumerate(seqs)])
+        logits = self.target.compute_logits(g[last])
+        for i, s in enumerate(seqs):
+            s.draft_computed = s.num_computed
+            s.draft_logits, s.draft_hidden = logits[i], g[last[i]]
