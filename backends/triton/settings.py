@@ -1,0 +1,79 @@
+"""Engine settings carried by a model's ``config.pbtxt`` ``parameters``.
+
+``tandem serve`` renders them into the config; Triton hands the config to the
+model as JSON (``args["model_config"]``), where each parameter reads
+``{"string_value": "..."}``.
+
+>>> cfg = {"parameters": {"model_dir": {"string_value": "/m"}, "page_size": {"string_value": "32"}}}
+>>> s = EngineSettings.from_model_config(cfg)
+>>> (s.model_dir, s.page_size, s.kv_layout, s.num_pages)
+('/m', 32, 'HND', None)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_LAYOUTS = ("HND", "NHD")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSettings:
+    model_dir: str
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None          # None: the engine sizes the pool
+    kv_layout: str = "HND"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    torch_threads: int = 0                # 0: all cores
+    cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
+
+    @classmethod
+    def from_model_config(cls, model_config: dict) -> "EngineSettings":
+        params = {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
+        if not params.get("model_dir"):
+            raise ValueError("config.pbtxt: parameter model_dir is required (a checkpoint directory)")
+        values: dict = {}
+        for f in fields(cls):
+            raw = params.get(f.name, "").strip()
+            if not raw or raw.startswith("${"):  # unset, or an unrendered template placeholder
+                continue
+            if f.name in ("model_dir", "dtype", "kv_layout"):
+                values[f.name] = raw
+                continue
+            try:
+                values[f.name] = int(raw)
+            except ValueError:
+                raise ValueError(f"config.pbtxt: parameter {f.name}={raw!r} is not an integer") from None
+        s = cls(**values)
+        s.check()
+        return s
+
+    def check(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"config.pbtxt: dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"config.pbtxt: kv_layout={self.kv_layout!r}; allowed: {', '.join(KV_LAYOUTS)}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cancel_poll_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.torch_threads < 0:
+            raise ValueError(f"config.pbtxt: torch_threads={self.torch_threads}; allowed: >= 0 (0 = all cores)")
+        if self.num_pages is not None and self.num_pages < 0:
+            raise ValueError(f"config.pbtxt: num_pages={self.num_pages}; allowed: >= 1, or 0 for automatic")
+
+    @property
+    def engine_num_pages(self) -> int | None:
+        return self.num_pages or None
+
+    @property
+    def threads(self) -> int:
+        return self.torch_threads or (os.cpu_count() or 1)
+
+    def engine_kwargs(self) -> dict:
+        return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,
+                    num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens)

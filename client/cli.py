@@ -1,0 +1,55 @@
+"""``tandem`` command line.
+
+Each subcommand is a module of ``tandem.client`` with an
+``add_parser(subparsers)`` function that adds its parser and sets ``func``
+(called with the parsed args; returns the exit code). To add one, list it in
+:data:`SUBCOMMANDS`. Only the module of the command being run is imported
+(``--help`` imports them all), so a heavy import in one command does not slow
+the others down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module of tandem.client, in --help order. A listed module that
+# does not exist yet is skipped.
+SUBCOMMANDS = {
+    "serve": "serve",
+    "generate": "generate",
+    "make-demo-checkpoint": "demo_checkpoint",
+    "bench": "bench",
+    "train": "train",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or only ``command``'s when it is a known one."""
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Tandem: LLM serving on Triton with disaggregated prefill/decode and speculative decoding.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    names = [command] if command in SUBCOMMANDS else list(SUBCOMMANDS)
+    for name in names:
+        module_name = f"tandem.client.{SUBCOMMANDS[name]}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # not written yet
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""``tandem generate``: one completion over Triton's gRPC streaming API.
+
+The ``tandem`` model is decoupled, so even a non-streaming request goes over
+a gRPC stream (``start_stream`` / ``async_stream_infer`` / ``stop_stream``):
+the server answers with one response per engine step when ``stream`` is set,
+or with a single response otherwise; the last carries the final flag.
+
+>>> for r in stream_generate("127.0.0.1:8001", "def f(", max_tokens=8):  # doctest: +SKIP
+...     print(r.text, end="")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import numpy as np
+
+MODEL_NAME = "tandem"
+
+
+@dataclass(slots=True)
+class GenerateResponse:
+    text: str
+    finish_reason: str          # "" until the final response
+    num_input_tokens: int
+    num_output_tokens: int
+    final: bool
+
+
+class GenerateError(RuntimeError):
+    """The server answered with an error (its message names the bad field)."""
+
+
+def build_inputs(prompt: str, *, max_tokens: int = 16, stream: bool = True, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                 stop_words: list[str] | None = None, exclude_input_in_output: bool = True) -> list:
+    """The request tensors, each with the batch dimension (shape ``[1, ...]``)."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, value, dtype, triton_type: str):
+        arr = np.array([[value]] if not isinstance(value, list) else [value], dtype=dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), triton_type)
+        t.set_data_from_numpy(arr)
+        return t
+
+    inputs = [
+        tensor("text_input", prompt.encode("utf-8"), np.object_, "BYTES"),
+        tensor("max_tokens", max_tokens, np.int32, "INT32"),
+        tensor("stream", stream, np.bool_, "BOOL"),
+        tensor("exclude_input_in_output", exclude_input_in_output, np.bool_, "BOOL"),
+    ]
+    if temperature is not None:
+        inputs.append(tensor("temperature", temperature, np.float32, "FP32"))
+    if top_p is not None:
+        inputs.append(tensor("top_p", top_p, np.float32, "FP32"))
+    if top_k is not None:
+        inputs.append(tensor("top_k", top_k, np.int32, "INT32"))
+    if seed is not None:
+        inputs.append(tensor("seed", seed, np.uint64, "UINT64"))
+    if stop_words:
+        inputs.append(tensor("stop_words", [w.encode("utf-8") for w in stop_words], np.object_, "BYTES"))
+    return inputs
+
+
+def _first(result, name: str):
+    arr = result.as_numpy(name)
+    return None if arr is None else arr.reshape(-1)[0]
+
+
+def parse_response(result) -> GenerateResponse:
+    """A tritonclient gRPC result as a :class:`GenerateResponse`."""
+    response = result.get_response()
+    final = bool(response.parameters["triton_final_response"].bool_param) \
+        if "triton_final_response" in response.parameters else False
+    if not response.outputs:  # the empty final response
+        return GenerateResponse("", "", 0, 0, final)
+    text = _first(result, "text_output")
+    reason = _first(result, "finish_reason")
+    return GenerateResponse(
+        text=text.decode("utf-8") if isinstance(text, bytes) else str(text or ""),
+        finish_reason=reason.decode("utf-8") if isinstance(reason, bytes) else str(reason or ""),
+        num_input_tokens=int(_first(result, "num_input_tokens") or 0),
+        num_output_tokens=int(_first(result, "num_output_tokens") or 0),
+        final=final,
+    )
+
+
+def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, **params) -> Iterator[GenerateResponse]:
+    """Yield the server's responses for one request until the final one.
+
+    Raises :class:`GenerateError` when the server answers with an error.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    finished = False
+    try:
+        try:
+            client.async_stream_infer(MODEL_NAME, build_inputs(prompt, **params), enable_empty_final_response=True)
+        except Exception as exc:  # the stream broke (server unreachable): its reason went to the callback
+            finished = True
+            try:
+                _, error = results.get(timeout=5)
+            except queue.Empty:
+                error = exc
+            raise GenerateError(f"cannot reach {url}: {error}") from None
+        while True:
+            try:
+                result, error = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise GenerateError(f"no response from {url} within {timeout_s:.0f} s") from None
+            if error is not None:
+                finished = True  # an error response is the request's last
+                raise GenerateError(error.message() if hasattr(error, "message") else str(error))
+            response = parse_response(result)
+            finished = response.final
+            yield response
+            if finished:
+                return
+    finally:
+        # Cancel only a request that is still running: tritonserver 2.51 may
+        # fail to unload the model at shutdown after a stream was cancelled
+        # once its request had completed.
+        client.stop_stream(cancel_requests=not finished)
+        client.close()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a running `tandem serve`",
+                              description="Send one prompt to the tandem model over gRPC and print the text.")
+    p.add_argument("prompt")
+    p.add_argument("--url", default="localhost:8001", help="gRPC endpoint (default: localhost:8001)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="print one JSON object per response")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, help="0 = greedy (server default: 1.0)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = dict(max_tokens=args.max_tokens, stream=args.stream, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_words=args.stop)
+    last = None
+    try:
+        for response in stream_generate(args.url, args.prompt, timeout_s=args.timeout, **params):
+            last = response
+            if args.json:
+                print(json.dumps(asdict(response)), flush=True)
+            else:
+                print(response.text, end="", flush=True)
+    except GenerateError as exc:
+        return _fail(str(exc), mid_line=last is not None and not args.json)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # anything the client library raises
+        return _fail(f"{args.url}: {exc}", mid_line=last is not None and not args.json)
+    if not args.json:
+        print()
+        if last is not None:
+            print(f"[{last.finish_reason or 'done'}: {last.num_input_tokens} prompt tokens, "
+                  f"{last.num_output_tokens} generated]", file=sys.stderr)
+    return 0
+
+
+def _fail(message: str, mid_line: bool) -> int:
+    print(("\n" if mid_line else "") + f"tandem generate: {message}", file=sys.stderr)
+    return 1

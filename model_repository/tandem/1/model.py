@@ -1,0 +1,3 @@
+"""Triton entry point for the ``tandem`` model; the code lives in tandem.backends.triton."""
+
+from tandem.backends.triton.llm_model import TritonPythonModel  # noqa: F401
