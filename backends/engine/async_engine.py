@@ -7,7 +7,6 @@ from collections import deque
 from typing import Callable
 
 from .llm_engine import EngineConfig, LLMEngine, RequestOutput
-from ..speculative import SpeculativeConfig
 from .params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -22,13 +21,9 @@ class AsyncEngine:
     engine thread for every delta, the last one with ``finished`` set.
     """
 
-    def __init__(self, model_dir: str, dtype: str = "float32", page_size: int = 16,
-                 kv_layout: str = "HND", num_pages: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 device: str = "cpu", speculative: SpeculativeConfig | None = None):
-        self.engine = LLMEngine(EngineConfig(
-            str(model_dir), dtype, page_size, kv_layout, num_pages, max_num_seqs,
-            max_num_batched_tokens, max_model_len, device, speculative))
+    def __init__(self, model_dir: str, **engine_args):
+        """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...)."""
+        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args))
         self._callbacks: dict[str, OutputCallback] = {}
         self._inbox: deque = deque()
         self._wake = threading.Condition()
