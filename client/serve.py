@@ -34,6 +34,7 @@ from pathlib import Path
 from .triton_env import find_triton, prepare_backend_dir, server_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CHECKPOINTS = REPO_ROOT / "checkpoints" / "demo"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "tandem"
 STUB_NAME = "triton_python_backend_stub"
@@ -51,11 +52,21 @@ class ServeOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     torch_threads: int = 0                # 0: all cores
+    spec_method: str = "none"             # none | draft_target | mtp
+    num_speculative_tokens: int = 3
+    draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
+    mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
 
     def template_values(self) -> dict[str, str]:
         values = {k: str(v) for k, v in asdict(self).items()}
         values["model_dir"] = str(Path(self.model_dir).resolve())
+        for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
+            path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
+            values[key] = str(Path(path).resolve()) if path else ""
         return values
+
+    def _uses(self, key: str) -> bool:
+        return (self.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
 
 
 class ServerError(RuntimeError):
@@ -338,6 +349,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default: 512)")
     p.add_argument("--threads", type=int, default=0, help="torch threads of the model process (default: 0 = all cores)")
+    p.add_argument("--spec", dest="spec_method", choices=("none", "draft_target", "mtp"), default="none",
+                   help="speculative decoding method (default: none)")
+    p.add_argument("--k", dest="num_speculative_tokens", type=int, default=3,
+                   help="draft tokens per step with --spec (default: 3)")
+    p.add_argument("--draft-model", default="", help="draft checkpoint (default: checkpoints/demo/draft)")
+    p.add_argument("--mtp-head", default="", help="MTP head checkpoint (default: checkpoints/demo/mtp)")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -355,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
         model_dir=args.model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, torch_threads=args.threads,
+        spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model, mtp_head=args.mtp_head,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,

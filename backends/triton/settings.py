@@ -15,8 +15,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from ..speculative import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 KV_LAYOUTS = ("HND", "NHD")
+STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head")
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +33,10 @@ class EngineSettings:
     max_num_batched_tokens: int = 512
     torch_threads: int = 0                # 0: all cores
     cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
+    spec_method: str = "none"             # none | draft_target | mtp
+    num_speculative_tokens: int = 3
+    draft_model: str = ""
+    mtp_head: str = ""
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":
@@ -41,7 +48,7 @@ class EngineSettings:
             raw = params.get(f.name, "").strip()
             if not raw or raw.startswith("${"):  # unset, or an unrendered template placeholder
                 continue
-            if f.name in ("model_dir", "dtype", "kv_layout"):
+            if f.name in STRING_FIELDS:
                 values[f.name] = raw
                 continue
             try:
@@ -60,6 +67,8 @@ class EngineSettings:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cancel_poll_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.spec_method != "none":
+            self.speculative().validate()
         if self.torch_threads < 0:
             raise ValueError(f"config.pbtxt: torch_threads={self.torch_threads}; allowed: >= 0 (0 = all cores)")
         if self.num_pages is not None and self.num_pages < 0:
@@ -73,7 +82,14 @@ class EngineSettings:
     def threads(self) -> int:
         return self.torch_threads or (os.cpu_count() or 1)
 
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.spec_method == "none":
+            return None
+        return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
+                                 draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)
+
     def engine_kwargs(self) -> dict:
         return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,
                     num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens)
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    speculative=self.speculative())

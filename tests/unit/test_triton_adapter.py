@@ -311,8 +311,20 @@ def test_initialize_configures_engine_and_threads(model):
     engine = FakeEngine.instances[-1]
     assert engine.started and engine.model_dir == "/ckpt"
     assert engine.kwargs == dict(dtype="float32", page_size=16, kv_layout="HND", num_pages=None,
-                                 max_num_seqs=64, max_num_batched_tokens=512)
+                                 max_num_seqs=64, max_num_batched_tokens=512, speculative=None)
     assert torch.get_num_threads() == 1
+
+
+def test_speculation_settings_reach_the_engine():
+    cfg = {"parameters": {"model_dir": {"string_value": "/m"},
+                          "spec_method": {"string_value": "mtp"},
+                          "num_speculative_tokens": {"string_value": "2"},
+                          "mtp_head": {"string_value": "/heads/mtp"}}}
+    spec = EngineSettings.from_model_config(cfg).engine_kwargs()["speculative"]
+    assert (spec.method, spec.num_speculative_tokens, spec.mtp_head) == ("mtp", 2, "/heads/mtp")
+    cfg["parameters"]["mtp_head"] = {"string_value": ""}
+    with pytest.raises(ValueError, match="mtp_head"):
+        EngineSettings.from_model_config(cfg)
 
 
 def test_not_decoupled_is_refused(model_cls):
