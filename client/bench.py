@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = {"engine": "decode tokens/s of the engine against HF transformers generate"}
+BENCHMARKS = {
+    "engine": "decode tokens/s of the engine against HF transformers generate",
+    "spec": "speculative decoding (draft-target, MTP) against plain and HF assisted generation",
+}
 
 
 def add_parser(subparsers) -> None:

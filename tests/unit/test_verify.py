@@ -89,3 +89,20 @@ def test_greedy_one_hot_drafts_and_counters_accumulate():
     assert out.tolist() == [[2, 2, 1, -1]]
     assert acc.tolist() == [2] and emit.tolist() == [2]
     assert acc_total.tolist() == [4] and emit_total.tolist() == [4]
+
+
+def test_greedy_shortcut_equals_one_hot_rejection_sampling():
+    from tandem.backends import SamplingParams
+    from tandem.backends.speculative.verification import verify_drafts
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(64, 4, 6, generator=g)
+    best = logits.argmax(-1)
+    # drafts that agree with the argmax for a random prefix, then maybe not
+    drafts = torch.where(torch.rand(64, 3, generator=g) < 0.7, best[:, :3],
+                         torch.randint(0, 6, (64, 3), generator=g))
+    out, emitted = verify_drafts(logits, drafts, [SamplingParams(temperature=0)] * 64, [None] * 64)
+    p = torch.nn.functional.one_hot(best, 6).float()
+    q = torch.nn.functional.one_hot(drafts, 6).float()
+    ref_out, _, ref_emit = chain_speculative_sampling(q, drafts, p)
+    assert torch.equal(out, ref_out) and emitted == ref_emit.tolist()
+    assert 0 < sum(emitted) < 64 * 3

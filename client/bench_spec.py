@@ -1,0 +1,141 @@
+"""Speculative decoding against plain decoding and HF transformers, side by side.
+
+On the demo checkpoints: Tandem plain, draft-target and MTP at k = 1..5 (batch 1 and 8),
+HF ``generate`` plain, assisted generation (``assistant_model`` = the same draft) and
+prompt-lookup decoding, all greedy on the same weights, dtype, threads and prompts.
+Tokens/s per request stream: ``batch * new tokens / wall time`` of the whole generation
+(speculation changes the decode steps, so the prefill is included for every row alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+DEMO = Path("checkpoints/demo")
+DEFAULT_OUT = Path("docs/bench/spec.json")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=DEMO / "target")
+    p.add_argument("--draft", type=Path, default=DEMO / "draft")
+    p.add_argument("--mtp", type=Path, default=DEMO / "mtp")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--ks", default="1,2,3,4,5")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts, cycled per batch")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+def held_out_prompts(target: Path, n: int, tokenizer) -> list[list[int]]:
+    path = target / "prompts.json"
+    if path.exists():
+        texts = [p["prompt"] for p in json.loads(path.read_text())]
+    else:
+        texts = ["def fib(n):", "class Stack:", "import os\n", "    def __init__(self):"]
+    # keep prompts short enough that decode, not prefill, dominates
+    return [tokenizer.encode(t).ids[-96:] for t in texts[:n]]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def tandem_row(target, dtype, prompts, new_tokens, speculative=None) -> dict:
+    from tandem.backends import LLM, SamplingParams
+    llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    llm.engine.spec_metrics.__init__(llm.engine.num_speculative_tokens)
+    seconds = timed(lambda: llm.generate(prompts, params))
+    m = llm.engine.spec_metrics
+    return dict(tokens_per_s=len(prompts) * new_tokens / seconds / len(prompts),
+                acceptance_rate=m.acceptance_rate if speculative else None,
+                mean_acceptance_length=m.mean_acceptance_length if speculative else None)
+
+
+def hf_row(target, dtype, prompts, new_tokens, **gen_kwargs) -> dict | None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+    if "assistant_model" in gen_kwargs:
+        gen_kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(
+            gen_kwargs["assistant_model"], dtype=getattr(torch, dtype)).eval()
+    if len(prompts) > 1 and gen_kwargs:
+        return None  # HF assisted and prompt-lookup generation take batch 1 only
+
+    def run():
+        with torch.inference_mode():
+            if len(prompts) == 1:
+                ids = torch.tensor(prompts)
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               pad_token_id=0, **gen_kwargs)
+            else:  # left-padded batch
+                width = max(map(len, prompts))
+                ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, pad_token_id=0)
+    seconds = timed(run)
+    return dict(tokens_per_s=new_tokens / seconds, acceptance_rate=None, mean_acceptance_length=None)
+
+
+def run(args) -> int:
+    import torch
+    torch.set_num_threads(args.threads)
+    from tandem.backends import SpeculativeConfig
+    from tandem.backends.models.tokenizer import load_tokenizer
+    if not (args.target / "config.json").exists():
+        raise SystemExit(f"--target {args.target}: no checkpoint (train it: see checkpoints/demo/README.md)")
+    tok = load_tokenizer(args.target)
+    base_prompts = held_out_prompts(args.target, args.num_prompts, tok)
+    methods = []
+    if (args.draft / "config.json").exists():
+        methods.append(("draft_target", dict(draft_model=str(args.draft))))
+    if (args.mtp / "config.json").exists():
+        methods.append(("mtp", dict(mtp_head=str(args.mtp))))
+    rows = []
+
+    def add(batch, system, method, k, r):
+        if r is None:
+            return
+        rows.append(dict(batch=batch, system=system, method=method, k=k, **r))
+        acc = "" if r["acceptance_rate"] is None else \
+            f"{r['acceptance_rate']:.2f}  {r['mean_acceptance_length']:.2f}"
+        print(f"{batch:>5} {system:>7} {method:>13} {k if k else '-':>3} "
+              f"{r['tokens_per_s']:>9.1f}  {acc}", flush=True)
+
+    print(f"target {args.target}, {args.dtype}, {args.threads} threads, {args.new_tokens} new tokens, "
+          "greedy; tok/s per request stream")
+    print(f"{'batch':>5} {'system':>7} {'method':>13} {'k':>3} {'tok/s':>9}  acceptance  length")
+    for batch in map(int, args.batch_sizes.split(",")):
+        prompts = [base_prompts[i % len(base_prompts)] for i in range(batch)]
+        add(batch, "tandem", "none", 0, tandem_row(args.target, args.dtype, prompts, args.new_tokens))
+        for method, paths in methods:
+            for k in map(int, args.ks.split(",")):
+                spec = SpeculativeConfig(method, k, **paths)
+                add(batch, "tandem", method, k,
+                    tandem_row(args.target, args.dtype, prompts, args.new_tokens, spec))
+        if not args.no_hf:
+            add(batch, "hf", "none", 0, hf_row(args.target, args.dtype, prompts, args.new_tokens))
+            if (args.draft / "config.json").exists():
+                add(batch, "hf", "assisted", 0, hf_row(args.target, args.dtype, prompts,
+                                                       args.new_tokens, assistant_model=args.draft))
+            add(batch, "hf", "prompt_lookup", 0, hf_row(args.target, args.dtype, prompts,
+                                                        args.new_tokens, prompt_lookup_num_tokens=3))
+    result = dict(benchmark="spec", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  machine=f"{platform.machine()}, {args.threads} torch threads",
+                  target=str(args.target), dtype=args.dtype, new_tokens=args.new_tokens, rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
