@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            # the fused kernel accumulates in fp32 too; one op instead of eight per norm
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # the fused kernel normalises in fp32 and rounds once, as HF does before it
+            # multiplies by the weight in the low precision: two ops instead of eight
+            return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
         # fp32 mirrors the HF reference op for op, so greedy parity is exact
         dtype = x.dtype
         x = x.float()

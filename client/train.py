@@ -1,0 +1,105 @@
+"""``tandem train``: train the demo target / draft (``lm``) and export checkpoints.
+
+    tandem train lm --config configs/target.json --out checkpoints/demo/target
+    tandem train lm --config configs/target.json --out checkpoints/demo/target --resume
+    tandem train export --work-dir .cache/train/target --out checkpoints/demo/target [--best]
+    tandem train sample --model checkpoints/demo/target --n 3
+
+The CLI (client/cli.py) registers this module with ``add_parser(subparsers)``.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train", help="train demo checkpoints (target, draft)")
+    sub = p.add_subparsers(dest="train_command", required=True)
+
+    lm = sub.add_parser("lm", help="train a Llama-architecture causal LM on the stdlib corpus")
+    lm.add_argument("--config", required=True, help="training config JSON (configs/target.json)")
+    lm.add_argument("--out", required=True, help="final HF checkpoint directory")
+    lm.add_argument("--work-dir", default=None,
+                    help="data cache, resumable state and periodic exports "
+                         "(default .cache/train/<config name>)")
+    lm.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
+    lm.add_argument("--max-steps", type=int, default=None,
+                    help="stop after this many steps in this invocation (resume later)")
+    lm.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    lm.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
+    lm.set_defaults(func=run_lm)
+
+    ex = sub.add_parser("export", help="copy the last saved checkpoint of a run to --out")
+    ex.add_argument("--work-dir", required=True)
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--best", action="store_true",
+                    help="the checkpoint with the lowest validation loss instead of the last save")
+    ex.set_defaults(func=run_export)
+
+    sa = sub.add_parser("sample", help="greedy completions of held-out prompts (model cards)")
+    sa.add_argument("--model", required=True, help="HF checkpoint dir with prompts.json")
+    sa.add_argument("--n", type=int, default=3, help="prompts per kind")
+    sa.add_argument("--max-new-tokens", type=int, default=96)
+    sa.add_argument("--threads", type=int, default=1)
+    sa.set_defaults(func=run_sample)
+    return p
+
+
+def run_lm(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.training.lm import LMTrainConfig, setup_logging, train_lm
+
+    torch.set_num_threads(args.threads)
+    cfg = LMTrainConfig.from_file(args.config)
+    work = Path(args.work_dir or Path(".cache/train") / Path(args.config).stem)
+    setup_logging(args.log or work / "train.log")
+    command = "tandem train lm " + " ".join(
+        shlex.quote(a) for a in sys.argv[sys.argv.index("lm") + 1:]) if "lm" in sys.argv else None
+    result = train_lm(cfg, work, args.out, resume=args.resume, max_steps=args.max_steps,
+                      command=command)
+    print(f"step {result['step']}/{result['steps_planned']}  "
+          f"val_loss {result['val_loss_full'] or result['val_loss_periodic']}  work dir {work}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from tandem.backends.training.lm import export_from_work_dir
+
+    print(export_from_work_dir(args.work_dir, args.out, "best" if args.best else "latest"))
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.training.samples import sample_prompts
+
+    torch.set_num_threads(args.threads)
+    samples = sample_prompts(args.model, args.n, args.max_new_tokens)
+    for s in samples:
+        print(f"### {s.kind} {s.path}:{s.line} (parses: {s.parses})")
+        print(s.prompt[-400:] + "\033[1m" + s.completion + "\033[0m" if sys.stdout.isatty()
+              else s.prompt[-400:] + "<<<" + s.completion + ">>>")
+    ok = sum(s.parses for s in samples)
+    print(f"{ok}/{len(samples)} samples parse as Python (rough check)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m tandem.client.train lm ...``) until cli.py registers it."""
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"tandem train: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
