@@ -10,6 +10,7 @@ import importlib
 BENCHMARKS = {
     "engine": "decode tokens/s of the engine against HF transformers generate",
     "spec": "speculative decoding (draft-target, MTP) against plain and HF assisted generation",
+    "transfer": "KV transfer GB/s between processes over UCX against memcpy",
 }
 
 

@@ -1,0 +1,249 @@
+"""KV transfer between two processes over UCX against a plain memcpy, side by side.
+
+The receiver (kv_transfer) is a child process with a :class:`KVReceiver` on a shared
+decode pool; this process is prefill (a :class:`KVSender` on its own pool) and the
+decoder (it watches the counter in shared memory, claims and frees the pages).
+Shapes default to Llama-3-8B's KV: 32 layers, 8 KV heads, head dim 128, bf16.
+
+Reported:
+
+- GB/s of whole transfers (every layer ready at once) for each page size and run
+  cap (``--run-pages 1`` is one operation per page and layer), next to a memcpy of the
+  same number of bytes between two buffers of this process;
+- operations per page, HND vs NHD, for several prefill -> decode TP pairs;
+- time from the last layer's compute to counter completion, streaming layer by layer
+  while compute runs, against sending only after the last layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_OUT = Path("docs/bench/transfer.json")
+SHARD_PAIRS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (4, 1)),
+               ((8, 1), (2, 1)), ((4, 4), (8, 8))]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens per transfer")
+    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--run-pages", default="1,4,16,64",
+                   help="max pages per operation (runs of consecutive pages); 1 = per page")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--repeats", type=int, default=5, help="transfers per configuration")
+    p.add_argument("--layer-ms", type=float, default=3.0,
+                   help="simulated compute per layer for the streaming measurement")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+# -- the receiver process ----------------------------------------------------------------
+def _receiver_main(conn) -> None:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from tandem.rdma import KVReceiver, ReceiverConfig, SharedKVPool
+    pool = rx = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "open":
+            if rx is not None:
+                rx.close()
+                pool.close(release=False)
+            pool = SharedKVPool.open(args[0])
+            rx = KVReceiver(pool, ReceiverConfig(timeout_s=60))
+            conn.send(rx.address)
+        elif cmd == "reserve":
+            conn.send(rx.reserve(args[0], max_run_pages=args[1], seed=0).to_bytes())
+        elif cmd == "trace":
+            t = rx.trace(*args)
+            conn.send((t.ready_at, dict(t.layer_done_at)))
+        elif cmd == "stats":
+            conn.send(rx.stats)
+        else:
+            if rx is not None:
+                rx.close()
+                pool.close(release=False)
+            conn.send(None)
+            return
+
+
+class _Receiver:
+    def __init__(self):
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_receiver_main, args=(child,),
+                                                    daemon=True)
+        self.proc.start()
+
+    def __call__(self, *cmd):
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def close(self):
+        self("quit")
+        self.proc.join(10)
+
+
+# -- measurements ------------------------------------------------------------------------
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    src = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)   # touched, like the pre-faulted pool
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _transfer(sender, rx, pool, tokens, run_pages, src_pages, layer_s=0.0, after=False):
+    """One request: reserve, stream every layer, wait for the counter; returns
+    (seconds from the first layer send to READY, ready_at - last layer computed, desc)."""
+    from tandem.rdma import DestinationDescriptor
+    d = DestinationDescriptor.from_bytes(rx("reserve", tokens, run_pages))
+    t = sender.begin(d, src_pages[:len(d.page_ids)])
+    spec = d.models[0]
+    step = sender.step(spec.name, {t: tokens})
+    t0 = time.monotonic()
+    if after:   # no streaming: compute every layer, then report them all
+        time.sleep(layer_s * spec.num_layers)
+    for layer in range(spec.num_layers):
+        if layer_s and not after:
+            time.sleep(layer_s)
+        step.layer_done(layer)
+    while not pool.poll(d.slot, d.generation).ready:
+        time.sleep(0.0002)
+    t_ready = time.monotonic()
+    t.wait(30)
+    ready_at, _ = rx("trace", d.slot, d.generation)
+    pool.free(pool.claim(d.slot, d.generation))
+    last = step.computed_at[-1]
+    return t_ready - t0, (ready_at or t_ready) - last, d, t
+
+
+def run(args) -> int:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from tandem.rdma import (KVSender, ModelSpec, PoolSpec, SharedKVPool, ShardScheme,
+                             SourcePool, ops_per_page)
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    run_pages = [int(x) for x in args.run_pages.split(",")]
+    rx = _Receiver()
+    results = {"throughput": [], "ops_per_page": [], "streaming": []}
+    try:
+        for ps in page_sizes:
+            spec = ModelSpec("target", args.layers, args.kv_heads, args.head_dim, ps, args.dtype)
+            pages = -(-args.tokens // ps)
+            nbytes = spec.pool_bytes(args.kv_heads, pages)
+            name = f"tandem-bench-transfer-{os.getpid()}-{ps}"
+            SharedKVPool.unlink_stale(name)
+            pool = SharedKVPool.create(PoolSpec(name, (spec,), pages + 8))
+            src = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8).copy()
+            sender = KVSender({"target": SourcePool(spec, args.kv_heads, pages, src)})
+            try:
+                rx("open", name)
+                src_pages = list(range(pages))
+                _transfer(sender, rx, pool, args.tokens, 1, src_pages)   # connect, warm up
+                mc = memcpy_gbps(nbytes, args.repeats)
+                for rp in run_pages:
+                    times = []
+                    for _ in range(args.repeats):
+                        dt, _, d, t = _transfer(sender, rx, pool, args.tokens, rp, src_pages)
+                        times.append(dt)
+                    best, med = min(times), statistics.median(times)
+                    results["throughput"].append({
+                        "page_size": ps, "run_pages": rp, "bytes": nbytes,
+                        "ops": d.expected_ops, "op_bytes": nbytes // d.expected_ops,
+                        "best_gbps": nbytes / best / 1e9, "median_gbps": nbytes / med / 1e9,
+                        "memcpy_gbps": mc, "ratio_best": (nbytes / best / 1e9) / mc,
+                        "ratio_median": (nbytes / med / 1e9) / mc})
+                if ps == page_sizes[0]:
+                    rp = max(run_pages)
+                    for after in (False, True):
+                        tails = [_transfer(sender, rx, pool, args.tokens, rp, src_pages,
+                                           args.layer_ms / 1e3, after)[1]
+                                 for _ in range(max(1, args.repeats // 2))]
+                        results["streaming"].append({
+                            "mode": "after last layer" if after else "layer by layer",
+                            "page_size": ps, "run_pages": rp, "layer_ms": args.layer_ms,
+                            "tail_ms_median": 1e3 * statistics.median(tails),
+                            "tail_ms_best": 1e3 * min(tails)})
+            finally:
+                sender.close()
+                pool.close(release=False)
+                pool.unlink()
+        for ps in page_sizes:
+            for layout in ("HND", "NHD"):
+                spec = ModelSpec("target", args.layers, args.kv_heads, args.head_dim, ps,
+                                 args.dtype, layout)
+                for s, d in SHARD_PAIRS:
+                    results["ops_per_page"].append({
+                        "page_size": ps, "layout": layout, "prefill": s, "decode": d,
+                        "ops_per_page_layer": ops_per_page(spec, ShardScheme(*s), ShardScheme(*d))})
+    finally:
+        rx.close()
+    report = _report(results, args)
+    print(report)
+    results["meta"] = {
+        "command": "tandem bench transfer " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k not in ("func", "command", "benchmark") and v is not None),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+        "shape": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                  "dtype": args.dtype, "tokens": args.tokens},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    md = args.out.with_suffix(".md")
+    meta = results["meta"]
+    md.write_text(f"`{meta['command']}`\n\n{meta['date']}, {meta['cpus']} CPUs, load average "
+                  f"{meta['loadavg'][0]:.2f} (a shared host: other jobs ran meanwhile)\n\n"
+                  + report)
+    print(f"wrote {args.out} and {md}")
+    return 0
+
+
+def _report(results, args) -> str:
+    """The result tables, as markdown."""
+    out = [f"KV transfer, {args.tokens} tokens x {args.layers} layers x {args.kv_heads} KV heads "
+           f"x head dim {args.head_dim} ({args.dtype}), two processes, UCX (shared memory / CMA)",
+           "",
+           "| page size | pages/op | ops | bytes/op | UCX GB/s best | median | memcpy GB/s "
+           "| best/memcpy | median/memcpy |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["throughput"]:
+        out.append(f"| {r['page_size']} | {r['run_pages']} | {r['ops']} "
+                   f"| {r['op_bytes'] >> 10} KiB | {r['best_gbps']:.2f} | {r['median_gbps']:.2f} "
+                   f"| {r['memcpy_gbps']:.2f} | {r['ratio_best']:.0%} | {r['ratio_median']:.0%} |")
+    out += ["", "Operations per page and layer, all ranks together (contiguous messages):", "",
+            "| page size | prefill TP (replica sets) -> decode TP (replica sets) | HND | NHD |",
+            "|---:|---|---:|---:|"]
+    rows = results["ops_per_page"]
+    fmt = lambda s: f"{s[0]}" + (f" ({s[1]})" if s[1] > 1 else "")
+    for r in rows:
+        if r["layout"] != "HND":
+            continue
+        nhd = next(x for x in rows if x["layout"] == "NHD" and x["page_size"] == r["page_size"]
+                   and x["prefill"] == r["prefill"] and x["decode"] == r["decode"])
+        out.append(f"| {r['page_size']} | {fmt(r['prefill'])} -> {fmt(r['decode'])} "
+                   f"| {r['ops_per_page_layer']:g} | {nhd['ops_per_page_layer']:g} |")
+    out += ["", "Whole pages travel as one operation (and runs of pages coalesce); a head range "
+            "of a page is one K and one V piece in HND, but 2 x page_size pieces in NHD, where "
+            "heads interleave within each token (with strided writes it would be one per head).",
+            "", f"Last layer computed -> counter complete ({args.layer_ms} ms compute per layer):",
+            "", "| mode | page size | pages/op | median ms | best ms |", "|---|---:|---:|---:|---:|"]
+    for r in results["streaming"]:
+        out.append(f"| {r['mode']} | {r['page_size']} | {r['run_pages']} "
+                   f"| {r['tail_ms_median']:.2f} | {r['tail_ms_best']:.2f} |")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,322 @@
+"""The decode side of the KV transfer (the kv_transfer process).
+
+:meth:`KVReceiver.reserve` takes a slot and un-evictable pages from the shared pool,
+arms the slot's counter with the number of operations the plan expects, and returns
+the :class:`~tandem.rdma.descriptor.DestinationDescriptor` for prefill. Then every
+arriving tagged message is checked against the live reservation it names — slot,
+generation, op index in range, not yet received, exact length — and received
+straight into its pages (zero-copy for rendezvous messages); anything else is
+drained and counted, never written into pages. Completed operations advance the
+slot's counter in shared memory; when it reaches the expected count the slot turns
+READY for the decode process. No "done" message exists.
+
+Receives are posted when a message is matched, not before it arrives: ucxx 0.50 has no
+way to cancel one posted receive, and a pre-posted receive could not be withdrawn
+from pages whose reservation was reclaimed. Matching first is what guarantees that a
+late message of a reclaimed reservation never lands in a new owner's pages.
+
+A reservation fails when no operation completes for ``timeout_s`` (the sender died,
+stalled or cannot reach us) or when an operation fails (the sender died mid-read);
+its pages are freed once no receive into them is in flight.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .descriptor import DestinationDescriptor
+from .plan import ShardScheme, pages_needed
+from .shared_pool import (CANCELLED, FAILED, READY, SENDER_ERROR, TIMEOUT, OutOfPages,
+                          SharedKVPool, SlotStatus)
+from .transport import Transport
+from .wire import (GEN_MASK, KIND_CONTROL, KIND_DATA, MAX_CONTROL_BYTES, MAX_OPS, Ack, Hello,
+                   MalformedMessage, control_tag, decode_control, encode_control, parse_tag)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReceiverConfig:
+    timeout_s: float = 10.0        # fail a reservation when no operation completes this long
+    claim_lease_s: float = 30.0    # a READY reservation the decoder does not claim is reclaimed
+    # runs of consecutive pages travel as one operation of up to this many bytes: per
+    # message overhead dominates small pages (64 KiB/op reaches ~1.4 GB/s here, 4 MiB
+    # ~6.5 GB/s); a run goes out once all its pages are final, so long runs delay
+    # streaming under chunked prefill
+    max_run_bytes: int = 4 << 20
+    tick_s: float = 0.05           # lease checks while reservations are live
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    reservations: int = 0
+    ready: int = 0
+    failed: int = 0
+    ops_completed: int = 0
+    bytes_received: int = 0
+    dropped_stale: int = 0       # for a reservation that is gone (late, reclaimed)
+    dropped_duplicate: int = 0   # an operation that already arrived
+    dropped_malformed: int = 0   # unknown kind, op out of range, wrong length, bad control
+    handshakes: int = 0
+
+
+@dataclass(slots=True)
+class TransferTrace:
+    """Timestamps (``time.monotonic()``, comparable across processes on one host)."""
+    reserved_at: float
+    layer_done_at: dict = field(default_factory=dict)   # (model, layer) -> all its ops done
+    ready_at: float | None = None
+    failed: int = 0
+
+
+class _Reservation:
+    __slots__ = ("desc", "slot", "gen", "gen20", "plan", "received", "completed", "inflight",
+                 "deadline", "timeout_s", "failed", "layer_left", "trace", "cols", "bases",
+                 "per_layer", "layer_bytes", "page_bytes", "ctx_offsets")
+
+    def __init__(self, desc: DestinationDescriptor, pool: SharedKVPool, timeout_s: float):
+        self.desc, self.slot, self.gen = desc, desc.slot, desc.generation
+        self.gen20 = desc.generation & GEN_MASK
+        self.plan = plan = desc.plan()
+        self.received = np.zeros(plan.num_ops, dtype=bool)
+        self.completed = self.inflight = self.failed = 0
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.layer_left = [[len(lo)] * m.num_layers for m, lo in zip(plan.models, plan.layer_ops)]
+        self.trace = TransferTrace(time.monotonic())
+        # plain lists: per-message lookups without numpy scalar overhead
+        self.cols = [(lo.dst_rank.tolist(), lo.first.tolist(), lo.dst_off.tolist(),
+                      lo.nbytes.tolist()) for lo in plan.layer_ops]
+        self.bases = list(plan.model_base)
+        self.per_layer = [len(lo) for lo in plan.layer_ops]
+        self.layer_bytes = [pool.layer_bytes(m.name) for m in plan.models]
+        self.page_bytes = [pool.page_bytes(m.name) for m in plan.models]
+        self.ctx_offsets = [plan.context_offset(i) for i in range(len(plan.context_nbytes))]
+
+    def locate(self, op: int) -> tuple[int, int, int, int, int]:
+        """(model, layer, dst rank, byte offset, nbytes); model -1 is the context."""
+        if op >= self.plan.num_kv_ops:
+            i = op - self.plan.num_kv_ops
+            return -1, i, 0, self.ctx_offsets[i], self.plan.context_nbytes[i]
+        m = len(self.bases) - 1
+        while self.bases[m] > op:
+            m -= 1
+        layer, row = divmod(op - self.bases[m], self.per_layer[m])
+        dst_rank, first, dst_off, nbytes = (c[row] for c in self.cols[m])
+        page = self.desc.page_ids[first]
+        offset = layer * self.layer_bytes[m] + page * self.page_bytes[m] + dst_off
+        return m, layer, dst_rank, offset, nbytes
+
+
+class KVReceiver:
+    """Reservations and receives into a :class:`SharedKVPool` over one UCX worker.
+
+    ``reserve`` may be called from any thread; everything else runs on the transport
+    thread.
+    """
+
+    def __init__(self, pool: SharedKVPool, config: ReceiverConfig | None = None,
+                 name: str = "kv-receiver"):
+        self.pool, self.config = pool, config or ReceiverConfig()
+        self.stats = ReceiverStats()
+        self._live: dict[int, _Reservation] = {}
+        self._draining: list[_Reservation] = []
+        self._traces: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self._next_housekeeping = 0.0
+        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick)
+
+    @property
+    def address(self) -> bytes:
+        return self._transport.address
+
+    def close(self) -> None:
+        self._transport.close()
+
+    # -- any thread ----------------------------------------------------------------------
+    def reserve(self, num_tokens: int, src: ShardScheme = ShardScheme(1),
+                context_nbytes=(), seed: int | None = None, max_run_pages: int | None = None,
+                timeout_s: float | None = None) -> DestinationDescriptor:
+        """Reserve pages for ``num_tokens`` tokens of every model in the pool, fed by a
+        prefill sharded as ``src``, plus context blobs of the given sizes.
+
+        ``max_run_pages`` (default: from ``config.max_run_bytes``) caps the pages one
+        operation carries; 1 is one operation per page and layer. ``timeout_s`` is the
+        lease: the reservation fails if no operation completes for that long."""
+        spec = self.pool.spec
+        if sum(context_nbytes) > spec.context_bytes:
+            raise ValueError(f"context of {sum(context_nbytes)} bytes exceeds the pool's "
+                             f"{spec.context_bytes} bytes per reservation")
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens}; allowed: >= 1")
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        n_pages = pages_needed(num_tokens, spec.models[0].page_size)
+        if max_run_pages is None:
+            page_bytes = max(self.pool.page_bytes(m.name) for m in spec.models)
+            max_run_pages = max(1, self.config.max_run_bytes // page_bytes)
+        slot, gen, pages = self.pool.reserve(n_pages, 0, timeout_s)
+        try:
+            desc = DestinationDescriptor(
+                self.address, slot, gen, num_tokens, tuple(pages), spec.models, src, spec.scheme,
+                max_run_pages, tuple(context_nbytes),
+                random.getrandbits(32) if seed is None else seed)
+            if desc.expected_ops >= MAX_OPS:
+                raise ValueError(f"{desc.expected_ops} operations exceed the tag's {MAX_OPS}")
+            self.pool.arm(slot, gen, desc.expected_ops)
+            r = _Reservation(desc, self.pool, timeout_s)
+            self._transport.call(lambda: self._register(r))
+        except BaseException:
+            self.pool.fail(slot, gen, CANCELLED)
+            raise
+        return desc
+
+    def status(self, slot: int, generation: int) -> SlotStatus:
+        return self.pool.poll(slot, generation)
+
+    def wait(self, slot: int, generation: int, timeout: float = 30.0) -> SlotStatus:
+        """Poll until the reservation is READY or FAILED (tests and tools)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.pool.poll(slot, generation)
+            if st.state in (READY, FAILED) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.002)
+
+    def trace(self, slot: int, generation: int) -> TransferTrace | None:
+        with self._lock:
+            return self._traces.get((slot, generation))
+
+    def cancel(self, slot: int, generation: int) -> None:
+        self._transport.call(lambda: self._cancel(slot, generation))
+
+    # -- transport thread ----------------------------------------------------------------
+    def _register(self, r: _Reservation) -> None:
+        self._live[r.slot] = r
+        self.stats.reservations += 1
+        with self._lock:
+            self._traces[(r.slot, r.gen)] = r.trace
+            while len(self._traces) > 4096:
+                self._traces.popitem(last=False)
+
+    def _cancel(self, slot: int, gen: int) -> None:
+        r = self._live.get(slot)
+        if r is not None and r.gen == gen:
+            self._fail(r, CANCELLED)
+
+    def _on_message(self, probe) -> None:
+        kind, slot, gen20, op = parse_tag(probe.sender_tag.value)
+        if kind == KIND_CONTROL:
+            return self._on_control(probe)
+        if kind != KIND_DATA:
+            return self._drop(probe, "dropped_malformed")
+        r = self._live.get(slot)
+        if r is None or r.gen20 != gen20:
+            return self._drop(probe, "dropped_stale")
+        if op >= len(r.received):
+            return self._drop(probe, "dropped_malformed")
+        if r.received[op]:
+            return self._drop(probe, "dropped_duplicate")
+        model, layer, dst_rank, offset, nbytes = r.locate(op)
+        if probe.length != nbytes:
+            return self._drop(probe, "dropped_malformed")
+        if model < 0:
+            dst = self.pool.context(r.slot)[offset:offset + nbytes]
+        else:
+            dst = self.pool.kv(dst_rank, r.plan.models[model].name)[offset:offset + nbytes]
+        r.received[op] = True
+        r.inflight += 1
+        self._transport.recv(probe, dst, r.slot,
+                             lambda err: self._op_done(r, op, model, layer, nbytes, err))
+
+    def _drop(self, probe, counter: str) -> None:
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self._transport.discard(probe)
+
+    def _op_done(self, r: _Reservation, op: int, model: int, layer: int, nbytes: int,
+                 err: Exception | None) -> None:
+        r.inflight -= 1
+        if r.failed:
+            if r.inflight == 0:
+                self._release(r)
+            return
+        if err is not None:
+            log.warning("KV receive for reservation %d/%d failed: %s", r.slot, r.gen, err)
+            return self._fail(r, SENDER_ERROR)
+        now = time.monotonic()
+        r.completed += 1
+        r.deadline = now + r.timeout_s    # the lease renews with progress
+        self.pool.add_completed(r.slot)
+        self.stats.ops_completed += 1
+        self.stats.bytes_received += nbytes
+        if model >= 0:
+            left = r.layer_left[model]
+            left[layer] -= 1
+            if left[layer] == 0:
+                r.trace.layer_done_at[(r.plan.models[model].name, layer)] = now
+        if r.completed == r.plan.num_ops:
+            self._live.pop(r.slot, None)
+            if self.pool.mark_ready(r.slot, r.gen, self.config.claim_lease_s):
+                r.trace.ready_at = now
+                self.stats.ready += 1
+
+    def _fail(self, r: _Reservation, reason: int) -> None:
+        """Stop accepting messages for ``r``; free its pages once no receive is in flight."""
+        if r.failed:
+            return
+        r.failed = r.trace.failed = reason
+        self._live.pop(r.slot, None)
+        self.stats.failed += 1
+        if r.inflight == 0:
+            self._release(r)
+        else:
+            self._draining.append(r)
+
+    def _release(self, r: _Reservation) -> None:
+        self.pool.fail(r.slot, r.gen, r.failed)
+        if r in self._draining:
+            self._draining.remove(r)
+
+    def _on_control(self, probe) -> None:
+        if probe.length > MAX_CONTROL_BYTES:
+            return self._drop(probe, "dropped_malformed")
+        buf = bytearray(probe.length)
+        self._transport.recv(probe, buf, "control", lambda err: self._control_done(buf, err))
+
+    def _control_done(self, buf: bytearray, err) -> None:
+        try:
+            if err is not None:
+                raise MalformedMessage(str(err))
+            msg = decode_control(bytes(buf))
+            if not isinstance(msg, Hello):
+                raise MalformedMessage(f"unexpected {type(msg).__name__}")
+            ep = self._transport.endpoint(msg.reply_address)
+            self._transport.send(ep, encode_control(Ack(msg.nonce)), control_tag(), "control",
+                                 lambda err: None)
+            self.stats.handshakes += 1
+        except Exception as e:  # noqa: BLE001 - anything wrong with a peer's message
+            log.info("control message dropped: %s", e)
+            self.stats.dropped_malformed += 1
+
+    def _on_tick(self, now: float) -> float | None:
+        for r in list(self._live.values()):
+            if now > r.deadline:
+                log.warning("KV transfer for reservation %d/%d timed out: %d of %d operations "
+                            "completed", r.slot, r.gen, r.completed, r.plan.num_ops)
+                self._fail(r, TIMEOUT)
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + 1.0
+            try:
+                self.pool.reclaim_dead()
+                self.pool.expire(now)
+            except Exception:
+                log.exception("pool housekeeping failed")
+        return self.config.tick_s if (self._live or self._draining) else None
+
+
+__all__ = ["KVReceiver", "ReceiverConfig", "ReceiverStats", "TransferTrace", "OutOfPages"]

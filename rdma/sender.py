@@ -1,0 +1,438 @@
+"""The prefill side of the KV transfer: the messenger.
+
+The prefill engine tells the messenger three things, none of which blocks it:
+
+- :meth:`KVSender.begin` — a request's destination descriptor and its source pages;
+- :meth:`KVSender.step` — before each forward pass, which requests' chunks it
+  computes (up to which token); the returned :class:`ForwardStep` is the per-layer
+  counter that the forward advances after each layer (``on_layer_done``);
+- :meth:`KVSender.send_context` — after the last chunk, the context blobs
+  (penultimate hidden state, logits, ...).
+
+The messenger thread (the UCX transport thread) watches the counter and, as each
+layer completes, sends every unit of that layer whose pages are final — while later
+layers still compute. A transfer finishes when every one of its sends completed; then
+``on_done(transfer)`` runs (on the messenger thread) and the engine may free its pages.
+If the receiver stops taking data for ``timeout_s`` the transfer fails the same way.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .descriptor import DestinationDescriptor
+from .errors import PeerUnreachable, TransferError, TransferTimeout
+from .plan import ModelSpec, ShardScheme
+from .transport import Transport
+from .wire import (KIND_CONTROL, MAX_CONTROL_BYTES, Ack, Hello, MalformedMessage, control_tag,
+                   data_tag, decode_control, encode_control, parse_tag)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SenderConfig:
+    # longer than the receiver's: a live but slow receiver fails (and then drops the
+    # late data) before the sender gives up and reuses the pages
+    timeout_s: float = 15.0
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePool:
+    """One prefill rank's KV pool of one model: geometry plus its memory as flat bytes
+    (a numpy uint8 array on CPU; a CUDA uint8 tensor on GPU)."""
+    spec: ModelSpec      # num_kv_heads is the model's (unsharded) count
+    heads: int           # heads this rank holds
+    num_pages: int
+    data: object
+
+    def __post_init__(self):
+        need = self.spec.pool_bytes(self.heads, self.num_pages)
+        have = self.data.nbytes if hasattr(self.data, "nbytes") else self.data.numel()
+        if have != need:
+            raise ValueError(f"source pool {self.spec.name!r} holds {have} bytes; its geometry "
+                             f"({self.spec.num_layers} layers x {self.num_pages} pages x "
+                             f"{self.page_bytes} bytes) needs {need}")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.spec.page_bytes(self.heads)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    @classmethod
+    def from_page_pool(cls, name: str, pool, scheme: ShardScheme = ShardScheme(1)) -> "SourcePool":
+        """Wrap a :class:`tandem.backends.kv_cache.KVPagePool` of a rank of ``scheme``."""
+        import torch
+        flat = pool.kv.reshape(-1).view(torch.uint8)
+        data = flat.numpy() if flat.device.type == "cpu" else flat
+        spec = ModelSpec(name, pool.num_layers, pool.num_kv_heads * scheme.ranks_per_set,
+                         pool.head_dim, pool.page_size, str(pool.kv.dtype).removeprefix("torch."),
+                         pool.kv_layout)
+        return cls(spec, pool.num_kv_heads, pool.num_pages, data)
+
+
+def _gather(data, ranges: list[tuple[int, int]]):
+    """Copy byte ranges into one contiguous staging buffer."""
+    if isinstance(data, np.ndarray):
+        out = np.empty(sum(b - a for a, b in ranges), dtype=np.uint8)
+        pos = 0
+        for a, b in ranges:
+            out[pos:pos + b - a] = data[a:b]
+            pos += b - a
+        return out
+    import torch
+    return torch.cat([data[a:b] for a, b in ranges])
+
+
+class Transfer:
+    """One request's transfer from this rank. ``wait()`` or ``done`` / ``error``."""
+
+    def __init__(self, desc: DestinationDescriptor, src_pages: list[int], rank: int,
+                 models: list[int], on_done: Callable | None):
+        plan = desc.plan()
+        self.desc, self.src_pages, self.rank, self.on_done = desc, src_pages, rank, on_done
+        self.plan = plan
+        self.source_index = models   # plan model index -> SourcePool list index
+        self.model_index = {m.name: i for i, m in enumerate(plan.models)}
+        self.error: Exception | None = None
+        self.active = False
+        self.finished = threading.Event()
+        self.sent = self.completed = self.staged = 0
+        self.bytes_sent = 0
+        self.last_progress = time.monotonic()
+        self.layer_computed_at: dict[tuple[str, int], float] = {}
+        self.started_at = time.monotonic()
+        self.finished_at: float | None = None
+        self.pending_context = None
+        ps = plan.models[0].page_size
+        self._rows, self._final, self._ptr, self._final_tokens = [], [], [], []
+        total = 0
+        for m, lo in zip(plan.models, plan.layer_ops):
+            rows = np.flatnonzero(lo.src_rank == rank)
+            final = np.minimum((lo.first[rows] + lo.npages[rows]) * ps, desc.num_tokens)
+            order = np.argsort(final, kind="stable")
+            self._rows.append(rows[order].tolist())
+            self._final.append(final[order].tolist())
+            self._ptr.append([0] * m.num_layers)
+            self._final_tokens.append([0] * m.num_layers)
+            total += m.num_layers * len(rows)
+        self.num_context = len(plan.context_nbytes) if rank == 0 else 0
+        self.total = total + self.num_context
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        """Block until every send completed; raises the transfer's error."""
+        if not self.finished.wait(timeout):
+            raise TransferTimeout(f"transfer to reservation {self.desc.slot}/"
+                                  f"{self.desc.generation} still running after {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class ForwardStep:
+    """One forward pass of one model, as the messenger sees it: which transfers' chunks
+    it computes and a layer counter that the forward advances.
+
+    Pass :meth:`layer_done` as the model runner's ``on_layer_done``.
+    """
+
+    def __init__(self, sender: "KVSender", model: str, chunks: dict[Transfer, int]):
+        self.sender, self.model, self.chunks = sender, model, chunks
+        self.value = 0    # layers completed
+        self.seen = 0     # layers the messenger has acted on
+        self.computed_at: list[float] = []
+
+    def layer_done(self, layer: int) -> None:
+        if layer != self.value:
+            raise ValueError(f"layer {layer} done out of order (expected {self.value})")
+        self.computed_at.append(time.monotonic())
+        self.value = layer + 1
+        self.sender._transport.submit(lambda: self.sender._on_layers(self))
+
+
+class _Peer:
+    __slots__ = ("address", "state", "ep", "nonce", "deadline", "waiting")
+
+    def __init__(self, address: bytes):
+        self.address, self.state, self.ep = address, "connecting", None
+        self.nonce, self.deadline, self.waiting = random.getrandbits(63), 0.0, []
+
+
+class KVSender:
+    """The messenger of one prefill rank.
+
+    ``pools`` maps each model name to this rank's :class:`SourcePool` (or to a
+    ``KVPagePool``, wrapped with :meth:`SourcePool.from_page_pool`).
+    """
+
+    def __init__(self, pools: dict, rank: int = 0, scheme: ShardScheme = ShardScheme(1),
+                 config: SenderConfig | None = None, name: str = "kv-sender"):
+        self.rank, self.scheme, self.config = rank, scheme, config or SenderConfig()
+        self.pools = {n: p if isinstance(p, SourcePool) else SourcePool.from_page_pool(n, p, scheme)
+                      for n, p in pools.items()}
+        self._names = list(self.pools)
+        self._peers: dict[bytes, _Peer] = {}
+        self._active: set[Transfer] = set()
+        self.stats = {"transfers": 0, "failed": 0, "ops": 0, "bytes": 0, "staged_ops": 0}
+        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick)
+
+    @property
+    def address(self) -> bytes:
+        return self._transport.address
+
+    def close(self) -> None:
+        self._transport.close()
+
+    # -- engine thread -------------------------------------------------------------------
+    def begin(self, desc: DestinationDescriptor, src_pages,
+              on_done: Callable | None = None) -> Transfer:
+        """Start a transfer of ``src_pages`` (this rank's page ids, in sequence order)."""
+        models = []
+        for m in desc.models:
+            src = self.pools.get(m.name)
+            if src is None:
+                raise ValueError(f"no source pool for model {m.name!r}; have {self._names}")
+            heads = self.scheme.heads_per_rank(m.num_kv_heads)
+            mine = (src.spec.num_layers, src.heads, src.spec.head_dim, src.spec.page_size,
+                    src.spec.itemsize, src.spec.kv_layout)
+            theirs = (m.num_layers, heads, m.head_dim, m.page_size, m.itemsize, m.kv_layout)
+            if mine != theirs:
+                raise ValueError(f"model {m.name!r}: this rank's pool (layers, heads, head_dim, "
+                                 f"page_size, itemsize, layout) = {mine}, the destination "
+                                 f"expects {theirs}")
+            models.append(self._names.index(m.name))
+        if desc.src != self.scheme:
+            raise ValueError(f"descriptor planned for prefill sharding {desc.src}, this sender "
+                             f"is {self.scheme}")
+        src_pages = [int(p) for p in src_pages]
+        if len(src_pages) != len(desc.page_ids):
+            raise ValueError(f"{len(src_pages)} source pages for {len(desc.page_ids)} "
+                             "destination pages")
+        t = Transfer(desc, src_pages, self.rank, models, on_done)
+        self._transport.submit(lambda: self._start(t))
+        return t
+
+    def step(self, model: str, chunks: dict[Transfer, int]) -> ForwardStep:
+        """Announce a forward pass of ``model`` that computes each transfer's tokens up
+        to ``chunks[transfer]`` (exclusive); returns its layer counter."""
+        for t, end in chunks.items():
+            if model not in t.model_index:
+                raise ValueError(f"model {model!r} is not part of this transfer")
+            if not 0 < end <= t.desc.num_tokens:
+                raise ValueError(f"chunk end {end} outside 1..{t.desc.num_tokens}")
+        return ForwardStep(self, model, dict(chunks))
+
+    def send_context(self, t: Transfer, blobs) -> None:
+        """Send the context blobs (rank 0 only; other ranks ignore the call)."""
+        if t.num_context == 0:
+            return
+        arrays = [_tensor_bytes(b) if hasattr(b, "numpy") and not isinstance(b, np.ndarray)
+                  else np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8).copy()
+                  for b in blobs]
+        sizes = tuple(a.nbytes for a in arrays)
+        if sizes != t.plan.context_nbytes:
+            raise ValueError(f"context blob sizes {sizes}; the destination expects "
+                             f"{t.plan.context_nbytes}")
+        self._transport.submit(lambda: self._context(t, arrays))
+
+    # -- messenger thread ----------------------------------------------------------------
+    def _start(self, t: Transfer) -> None:
+        self.stats["transfers"] += 1
+        self._active.add(t)
+        addr = t.desc.worker_address
+        peer = self._peers.get(addr)
+        if peer is None:
+            peer = self._peers[addr] = _Peer(addr)
+            try:
+                peer.ep = self._transport.endpoint(addr)
+                peer.deadline = time.monotonic() + self.config.connect_timeout_s
+                # keyed by the peer, so a dead peer's pending handshake is forgotten with it
+                self._transport.send(peer.ep, encode_control(Hello(peer.nonce, self.address)),
+                                     control_tag(), addr, lambda err: None)
+            except Exception as e:  # noqa: BLE001 - UCX cannot reach the address
+                self._peer_failed(peer, PeerUnreachable(
+                    f"cannot reach the decode worker: {type(e).__name__}: {e}"))
+        if peer.state == "ok":
+            self._activate(t)
+        elif peer.state == "connecting":
+            peer.waiting.append(t)
+        else:
+            self._fail(t, PeerUnreachable("the decode worker is unreachable"))
+
+    def _peer_failed(self, peer: _Peer, err: Exception) -> None:
+        self._peers.pop(peer.address, None)
+        self._transport.drop_endpoint(peer.address)
+        self._transport.forget(peer.address)
+        peer.state = "failed"
+        for t in peer.waiting + [t for t in self._active if t.desc.worker_address == peer.address]:
+            self._fail(t, err)
+        peer.waiting = []
+
+    def _activate(self, t: Transfer) -> None:
+        if t.done:
+            return
+        t.active = True
+        for m in range(len(t.plan.models)):
+            for layer in range(t.plan.models[m].num_layers):
+                self._send_ready(t, m, layer)
+        if t.pending_context is not None:
+            self._context(t, t.pending_context)
+        self._check_done(t)
+
+    def _on_layers(self, step: ForwardStep) -> None:
+        value = step.value   # the forward may advance it while we send
+        for layer in range(step.seen, value):
+            for t, end in step.chunks.items():
+                if t.done:
+                    continue
+                m = t.model_index[step.model]
+                t._final_tokens[m][layer] = end
+                t.layer_computed_at[(step.model, layer)] = step.computed_at[layer]
+                if t.active:
+                    self._send_ready(t, m, layer)
+        step.seen = value
+
+    def _send_ready(self, t: Transfer, m: int, layer: int) -> None:
+        rows, final, ptr = t._rows[m], t._final[m], t._ptr[m]
+        limit = t._final_tokens[m][layer]
+        i = ptr[layer]
+        if i >= len(rows) or final[i] > limit:
+            return
+        src = self.pools[self._names[t.source_index[m]]]
+        lo = t.plan.layer_ops[m]
+        ep = self._peers[t.desc.worker_address].ep
+        base = layer * src.layer_bytes
+        while i < len(rows) and final[i] <= limit:
+            row = rows[i]
+            first, npages = int(lo.first[row]), int(lo.npages[row])
+            nbytes, off = int(lo.nbytes[row]), int(lo.src_off[row])
+            p0 = t.src_pages[first]
+            if npages == 1 or t.src_pages[first:first + npages] == list(range(p0, p0 + npages)):
+                a = base + p0 * src.page_bytes + off
+                buf = src.data[a:a + nbytes]
+            else:   # a run of consecutive destination pages from scattered source pages
+                pb = src.page_bytes
+                buf = _gather(src.data, [(base + p * pb, base + (p + 1) * pb)
+                                         for p in t.src_pages[first:first + npages]])
+                t.staged += 1
+                self.stats["staged_ops"] += 1
+            self._send(t, ep, buf, t.plan.op_index(m, layer, row), nbytes)
+            i += 1
+        ptr[layer] = i
+        self._check_done(t)
+
+    def _context(self, t: Transfer, arrays) -> None:
+        if t.done:
+            return
+        if not t.active:
+            t.pending_context = arrays
+            return
+        t.pending_context = None
+        ep = self._peers[t.desc.worker_address].ep
+        for i, a in enumerate(arrays):
+            self._send(t, ep, a, t.plan.context_op(i), a.nbytes)
+
+    def _send(self, t: Transfer, ep, buf, op: int, nbytes: int) -> None:
+        if t.sent == t.completed:
+            t.last_progress = time.monotonic()
+        t.sent += 1
+        t.bytes_sent += nbytes
+        self._transport.send(ep, buf, data_tag(t.desc.slot, t.desc.generation, op),
+                             t.desc.worker_address, lambda err: self._sent(t, err))
+
+    def _sent(self, t: Transfer, err) -> None:
+        if t.done:
+            return
+        if err is not None:
+            return self._fail(t, TransferError(f"KV send failed: {err}"))
+        t.completed += 1
+        t.last_progress = time.monotonic()
+        self._check_done(t)
+
+    def _check_done(self, t: Transfer) -> None:
+        if t.done or not t.active or t.completed < t.total:
+            return
+        self.stats["ops"] += t.completed
+        self.stats["bytes"] += t.bytes_sent
+        self._finish(t)
+
+    def _finish(self, t: Transfer) -> None:
+        t.finished_at = time.monotonic()
+        self._active.discard(t)
+        t.finished.set()
+        if t.on_done is not None:
+            try:
+                t.on_done(t)
+            except Exception:
+                log.exception("on_done callback failed")
+
+    def _fail(self, t: Transfer, err: Exception) -> None:
+        if t.done:
+            return
+        t.error = err
+        self.stats["failed"] += 1
+        log.warning("KV transfer to reservation %d/%d failed: %s", t.desc.slot,
+                    t.desc.generation, err)
+        self._finish(t)
+
+    def _on_message(self, probe) -> None:
+        kind = parse_tag(probe.sender_tag.value)[0]
+        if kind != KIND_CONTROL or probe.length > MAX_CONTROL_BYTES:
+            return self._transport.discard(probe)
+        buf = bytearray(probe.length)
+        self._transport.recv(probe, buf, "control", lambda err: self._on_control(buf, err))
+
+    def _on_control(self, buf, err) -> None:
+        try:
+            if err is not None:
+                raise MalformedMessage(str(err))
+            msg = decode_control(bytes(buf))
+        except MalformedMessage as e:
+            log.info("control message dropped: %s", e)
+            return
+        if not isinstance(msg, Ack):
+            return
+        for peer in self._peers.values():
+            if peer.state == "connecting" and peer.nonce == msg.nonce:
+                peer.state = "ok"
+                waiting, peer.waiting = peer.waiting, []
+                for t in waiting:
+                    self._activate(t)
+
+    def _on_tick(self, now: float) -> float | None:
+        for peer in list(self._peers.values()):
+            if peer.state == "connecting" and now > peer.deadline:
+                self._peer_failed(peer, PeerUnreachable(
+                    f"the decode worker did not answer the handshake within "
+                    f"{self.config.connect_timeout_s}s"))
+        for t in list(self._active):
+            if t.active and t.sent > t.completed and now - t.last_progress > self.config.timeout_s:
+                err = TransferTimeout(
+                    f"the receiver took no KV for {self.config.timeout_s}s "
+                    f"({t.completed}/{t.total} operations done); pages released")
+                peer = self._peers.get(t.desc.worker_address)
+                self._fail(t, err)
+                if peer is not None:   # its other transfers cannot progress either
+                    self._peer_failed(peer, err)
+        busy = self._active or any(p.state == "connecting" for p in self._peers.values())
+        return 0.05 if busy else None
+
+
+def _tensor_bytes(t) -> np.ndarray:
+    import torch
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).cpu().numpy().copy()
