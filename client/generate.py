@@ -90,8 +90,9 @@ def parse_response(result) -> GenerateResponse:
     )
 
 
-def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, **params) -> Iterator[GenerateResponse]:
-    """Yield the server's responses for one request until the final one.
+def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, model: str = MODEL_NAME,
+                    **params) -> Iterator[GenerateResponse]:
+    """Yield the server's responses for one request to ``model`` until the final one.
 
     Raises :class:`GenerateError` when the server answers with an error.
     """
@@ -103,7 +104,7 @@ def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, **params) -
     finished = False
     try:
         try:
-            client.async_stream_infer(MODEL_NAME, build_inputs(prompt, **params), enable_empty_final_response=True)
+            client.async_stream_infer(model, build_inputs(prompt, **params), enable_empty_final_response=True)
         except Exception as exc:  # the stream broke (server unreachable): its reason went to the callback
             finished = True
             try:

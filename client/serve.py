@@ -38,6 +38,11 @@ DEMO_CHECKPOINTS = REPO_ROOT / "checkpoints" / "demo"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "tandem"
 STUB_NAME = "triton_python_backend_stub"
+# the models each mode serves; the colocated "tandem" is the baseline in both
+MODES = {
+    "colocated": ("tandem",),
+    "disaggregated": ("tandem", "preprocess", "kv_transfer", "prefill", "decode", "tandem_disaggregated"),
+}
 
 
 @dataclass(slots=True)
@@ -56,6 +61,13 @@ class ServeOptions:
     num_speculative_tokens: int = 3
     draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
     mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
+    mode: str = "colocated"               # colocated | disaggregated (adds tandem_disaggregated)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        if self.mode not in MODES:
+            raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        return MODES[self.mode]
 
     def template_values(self) -> dict[str, str]:
         values = {k: str(v) for k, v in asdict(self).items()}
@@ -79,11 +91,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def render_repository(dst: Path, values: dict[str, str], src: Path = MODEL_REPOSITORY) -> Path:
-    """Copy ``src`` to ``dst`` with each config.pbtxt's ``${name}`` placeholders filled."""
+def render_repository(dst: Path, values: dict[str, str], src: Path = MODEL_REPOSITORY,
+                      models: tuple[str, ...] | None = None) -> Path:
+    """Copy ``src`` (only ``models``, default all) to ``dst`` with each config.pbtxt's
+    ``${name}`` placeholders filled."""
     if dst.exists():
         shutil.rmtree(dst)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = skip if models is None else (
+        lambda d, names: set(skip(d, names)) | ({n for n in names if n not in models}
+                                                if Path(d) == Path(src) else set()))
+    shutil.copytree(src, dst, ignore=ignore)
     for config in dst.glob("*/config.pbtxt"):
         try:
             text = string.Template(config.read_text()).substitute(values)
@@ -163,6 +181,7 @@ class TritonServer:
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
     _shm_prefix: str = field(default="", init=False, repr=False)
+    _server_pids: list = field(default_factory=list, init=False, repr=False)
 
     # ---- endpoints -------------------------------------------------------
     @property
@@ -200,7 +219,8 @@ class TritonServer:
 
         layout = find_triton()
         backend_dir = prepare_backend_dir(layout, self.run_dir)
-        repo = render_repository(self.run_dir / "model_repository", self.options.template_values())
+        repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
+                                 models=self.options.models)
         pick = [name for name in ("http_port", "grpc_port", "metrics_port") if not getattr(self, name)]
         for attempt in range(3):
             for name in pick:
@@ -284,6 +304,7 @@ class TritonServer:
                 _killpg(pgid, signal.SIGKILL)
                 time.sleep(0.05)
             self.process = None
+            self._server_pids.append(pgid)
         self._cleanup_shm()
         if self._log_handle is not None:
             self._log_handle.close()
@@ -300,7 +321,11 @@ class TritonServer:
             return
         shm = Path("/dev/shm")
         if shm.is_dir():
-            for region in shm.glob(f"{self._shm_prefix}*"):
+            # the stubs' regions, and the KV pool a killed kv_transfer/decode left
+            # (named after the server's pid: tandem.backends.disagg.server_pool_name)
+            regions = [*shm.glob(f"{self._shm_prefix}*"),
+                       *(r for pid in self._server_pids for r in shm.glob(f"tandem-kv-{pid}-*"))]
+            for region in regions:
                 try:
                     region.unlink()
                 except OSError:
@@ -355,6 +380,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="draft tokens per step with --spec (default: 3)")
     p.add_argument("--draft-model", default="", help="draft checkpoint (default: checkpoints/demo/draft)")
     p.add_argument("--mtp-head", default="", help="MTP head checkpoint (default: checkpoints/demo/mtp)")
+    p.add_argument("--mode", choices=tuple(MODES), default="colocated",
+                   help="colocated: the tandem model only; disaggregated: also tandem_disaggregated "
+                        "(preprocess, kv_transfer, prefill and decode in their own processes)")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -373,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, torch_threads=args.threads,
         spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model, mtp_head=args.mtp_head,
+        draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,

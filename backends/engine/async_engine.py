@@ -8,6 +8,7 @@ from typing import Callable
 
 from .llm_engine import EngineConfig, LLMEngine, RequestOutput
 from .params import SamplingParams
+from .remote_prefill import KVTicket, PendingPrefills
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
@@ -21,9 +22,11 @@ class AsyncEngine:
     engine thread for every delta, the last one with ``finished`` set.
     """
 
-    def __init__(self, model_dir: str, **engine_args):
-        """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...)."""
-        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args))
+    def __init__(self, model_dir: str, kv_pool=None, allocator=None, **engine_args):
+        """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...);
+        ``kv_pool`` and ``allocator`` put the KV on an external (shared) pool."""
+        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator)
+        self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
         self._callbacks: dict[str, OutputCallback] = {}
         self._inbox: deque = deque()
         self._wake = threading.Condition()
@@ -47,6 +50,18 @@ class AsyncEngine:
             self._wake.notify()
         return seq.request_id
 
+    def submit_prefilled(self, prompt: str | list[int], params: SamplingParams,
+                         ticket: KVTicket, on_output: OutputCallback) -> str:
+        """Like :meth:`submit`, for a request whose prompt KV (all but the last token)
+        another process computes: the request is admitted when ``ticket.poll()`` hands
+        over the pages; until then it holds no slot and stalls no other sequence."""
+        with self._lock:
+            seq = self.engine.make_sequence(prompt, params)
+        with self._wake:
+            self._inbox.append(("remote", (seq, ticket), on_output))
+            self._wake.notify()
+        return seq.request_id
+
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._inbox.append(("abort", request_id, None))
@@ -63,6 +78,9 @@ class AsyncEngine:
         aborted = []
         with self._wake:
             while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
+                if self._pending:   # poll the transfers' counters, gently
+                    self._wake.wait(self._pending.poll_s)
+                    break
                 self._wake.wait()
             items = list(self._inbox)
             self._inbox.clear()
@@ -70,16 +88,31 @@ class AsyncEngine:
             if kind == "add":
                 self._callbacks[obj.request_id] = cb
                 self.engine.add(obj)
+            elif kind == "remote":
+                self._callbacks[obj[0].request_id] = cb
+                self._pending.add(*obj)
             else:
-                out = self.engine.abort(obj)
+                out = self._pending.cancel(obj) or self.engine.abort(obj)
                 if out is not None:
                     aborted.append((self._callbacks.pop(obj), out))
+        for seq, pages in self._pending.ready():
+            try:
+                self.engine.add_prefilled(seq, pages)
+            except ValueError:
+                log.exception("request %s: the transferred KV cannot be admitted", seq.request_id)
+                self.engine.allocator.free(pages)
+                out = RequestOutput(seq.request_id, [], "", True, "error", len(seq.prompt_ids), 0)
+                aborted.append((self._callbacks.pop(seq.request_id), out))
+        for out in self._pending.take_failed():
+            aborted.append((self._callbacks.pop(out.request_id), out))
         return aborted
 
     def _loop(self) -> None:
         while True:
             deliveries = self._drain_inbox()
             if self._stopped:
+                for rid in self._pending.request_ids():
+                    deliveries.append((self._callbacks.pop(rid), self._pending.cancel(rid)))
                 for rid in list(self.engine.seqs):
                     deliveries.append((self._callbacks.pop(rid), self.engine.abort(rid)))
                 self._deliver(deliveries)

@@ -36,6 +36,17 @@ class RequestOutput:
     num_output_tokens: int
 
 
+def check_pool_fits(pool: KVPagePool, cfg, dtype, config: "EngineConfig") -> None:
+    """An external KV pool must have the model's geometry and the engine's layout."""
+    want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.page_size,
+            config.kv_layout, dtype)
+    have = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.kv_layout,
+            pool.kv.dtype)
+    if want != have:
+        raise ValueError(f"external KV pool (layers, kv heads, head_dim, page_size, layout, "
+                         f"dtype) = {have}; the model and engine config need {want}")
+
+
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     model_dir: str
@@ -64,8 +75,13 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_pool: KVPagePool | None = None,
+                 allocator: PageAllocator | None = None):
+        """``kv_pool`` and ``allocator`` (both or neither) put the target's KV on an
+        external pool, e.g. the decode pool shared with the KV receiver."""
         config.validate()
+        if (kv_pool is None) != (allocator is None):
+            raise ValueError("kv_pool and allocator go together: pass both or neither")
         self.config = config
         self.model = load_model(config.model_dir, config.dtype, config.device)
         self.tokenizer = load_tokenizer(config.model_dir)
@@ -74,11 +90,18 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
         page_size = config.page_size
         dtype = self.model.embed_tokens.weight.dtype
-        num_pages = config.num_pages or self._default_num_pages(dtype)
-        self.allocator = PageAllocator(num_pages)
-        self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
-                               page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
         spec = config.speculative or SpeculativeConfig()
+        if kv_pool is not None:
+            check_pool_fits(kv_pool, cfg, dtype, config)
+            if spec.enabled:
+                raise ValueError("speculative decoding on an external KV pool is not supported "
+                                 "yet (the draft KV would have to live there too)")
+            num_pages, self.allocator, self.pool = kv_pool.num_pages, allocator, kv_pool
+        else:
+            num_pages = config.num_pages or self._default_num_pages(dtype)
+            self.allocator = PageAllocator(num_pages)
+            self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
+                                   page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.proposer = self._make_proposer(spec, num_pages, dtype)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
@@ -168,6 +191,20 @@ class LLMEngine:
         self.detoks[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, seq.params.stop)
         self.scheduler.add(seq)
+
+    def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
+        """Admit ``seq`` whose first ``n - 1`` prompt tokens' KV already sits in ``pages``
+        (this engine's allocator owns them now): its first step runs the last prompt
+        token as a decode token and samples the first output token. If the sequence is
+        ever preempted, the engine recomputes its prompt itself."""
+        n = len(seq.prompt_ids)
+        if seq.output_ids or seq.num_computed or seq.pages:
+            raise ValueError(f"request {seq.request_id!r} is not a fresh sequence")
+        if len(pages) != pages_needed(n - 1, self.config.page_size):
+            raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected "
+                             f"{pages_needed(n - 1, self.config.page_size)}")
+        seq.pages, seq.num_computed = list(pages), n - 1
+        self.add(seq)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
         seq = self.make_sequence(prompt, params, request_id)

@@ -153,10 +153,8 @@ class TritonPythonModel:
         except RuntimeError:  # already set in this process
             pass
 
-        from tandem.backends.engine.async_engine import AsyncEngine
-
         s = self.settings
-        self.engine = AsyncEngine(s.model_dir, **s.engine_kwargs())
+        self.engine = self._make_engine(s)
         if self.engine.tokenizer is None:
             raise pb_utils.TritonModelException(
                 f"model_dir {s.model_dir} has no tokenizer.json; the tandem model takes text")
@@ -166,6 +164,16 @@ class TritonPythonModel:
         self.metrics = _Metrics(args.get("model_name", "tandem"), str(args.get("model_version", "1")))
         _log("info", f"engine ready: {s.model_dir} dtype={s.dtype} page_size={s.page_size} "
                      f"kv_layout={s.kv_layout} torch_threads={s.threads}")
+
+    def _make_engine(self, s: EngineSettings):
+        """The engine this model streams from (the decode model puts it on the shared pool)."""
+        from tandem.backends.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(s.model_dir, **s.engine_kwargs())
+
+    def _submit(self, request, parsed, on_output) -> str:
+        """Hand a parsed request to the engine; returns its engine request id."""
+        return self.engine.submit(parsed.prompt, parsed.sampling_params(), on_output)
 
     def execute(self, requests):
         for request in requests:
@@ -203,7 +211,7 @@ class TritonPythonModel:
 
         metrics.submitted()  # before submit: the engine may finish the request before it returns
         try:
-            rid = self.engine.submit(parsed.prompt, parsed.sampling_params(), on_output)
+            rid = self._submit(request, parsed, on_output)
         except Exception as exc:
             metrics.not_submitted()
             if isinstance(exc, ValueError):  # the engine's own validation (prompt too long, ...)

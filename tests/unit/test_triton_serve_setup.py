@@ -52,6 +52,21 @@ def test_rendered_repository_has_no_placeholders_left(tmp_path):
     assert (repo / "tandem" / "1" / "model.py").is_file()
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_mode_selects_the_models(tmp_path, mode):
+    options = ServeOptions(model_dir=str(tmp_path), mode=mode)
+    repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
+    assert sorted(p.name for p in repo.iterdir()) == sorted(options.models)
+    assert "tandem" in options.models
+    for name in options.models:
+        assert "${" not in (repo / name / "config.pbtxt").read_text()
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ServerError, match="mode='both'; allowed: colocated, disaggregated"):
+        ServeOptions(model_dir=".", mode="both").models
+
+
 def test_every_placeholder_has_a_serve_option():
     placeholders = {m for p in MODEL_REPOSITORY.glob("*/config.pbtxt")
                     for m in re.findall(r"\$\{(\w+)\}", p.read_text())}

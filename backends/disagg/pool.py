@@ -1,0 +1,64 @@
+"""The decode KV pool's geometry, from a checkpoint and the engine settings.
+
+kv_transfer creates the pool (it needs only ``config.json``), decode maps it; both
+derive the same spec from the same settings.
+"""
+from __future__ import annotations
+
+from tandem.rdma import ModelSpec, PoolSpec
+from tandem.rdma.plan import DTYPE_SIZES
+
+from ..models.config import ModelConfig
+
+TARGET = "target"                 # the target model's KV in the pool
+CONTEXT = "penultimate_hidden"    # the one context blob: the prompt's last prefilled hidden state
+
+
+def context_nbytes(model_dir: str, dtype: str) -> int:
+    """Bytes of the context blob (the hidden state of the last prefilled token)."""
+    return ModelConfig.from_dir(model_dir).hidden_size * DTYPE_SIZES[dtype]
+
+
+def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_layout: str,
+                     num_pages: int, num_slots: int = 256) -> PoolSpec:
+    """``name`` keys the shared-memory files: include model name, version and instance."""
+    cfg = ModelConfig.from_dir(model_dir)
+    target = ModelSpec(TARGET, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                       page_size, dtype, kv_layout)
+    return PoolSpec(name, (target,), num_pages, num_slots=num_slots,
+                    context_bytes=context_nbytes(model_dir, dtype))
+
+
+DEFAULT_POOL_BYTES = 512 << 20
+
+
+def default_num_pages(model_dir: str, dtype: str, page_size: int, max_num_seqs: int,
+                      max_model_len: int | None = None) -> int:
+    """As the colocated engine sizes its pool: 512 MiB, capped at what is useful."""
+    cfg = ModelConfig.from_dir(model_dir)
+    page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim
+                  * DTYPE_SIZES[dtype])
+    max_len = max_model_len or cfg.max_position_embeddings
+    useful = max_num_seqs * -(-max_len // page_size)
+    return max(1, min(DEFAULT_POOL_BYTES // page_bytes, useful))
+
+
+def server_pool_name(tag: str = "decode") -> str:
+    """The pool name every model process of one tritonserver derives alike: the
+    server's pid (the stubs' parent) keys it, so two servers never share a pool."""
+    import os
+    return f"tandem-kv-{os.getppid()}-{tag}"
+
+
+def open_or_create(spec: PoolSpec, timeout_s: float = 120.0):
+    """kv_transfer and decode load in parallel: whichever comes first creates the pool."""
+    from tandem.rdma import SharedKVPool
+    try:
+        return SharedKVPool.create(spec)
+    except FileExistsError:
+        pool = SharedKVPool.open(spec.name, timeout_s=timeout_s)
+    if pool.spec.models != spec.models or pool.spec.num_pages != spec.num_pages:
+        pool.close(release=False)
+        raise ValueError(f"shared KV pool {spec.name!r} exists with another geometry "
+                         f"({pool.spec}); expected {spec}")
+    return pool

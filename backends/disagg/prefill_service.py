@@ -1,0 +1,152 @@
+"""The prefill side: a :class:`PrefillEngine` on its own thread, streaming each
+request's KV into the pages a decoder reserved.
+
+Per request: ``submit(descriptor, prompt_ids, on_done)``. The engine prefills
+``prompt_ids[:-1]`` in chunks; the messenger (:class:`tandem.rdma.KVSender`) begins
+the transfer when pages are allocated, is told of every forward before it runs and
+of every layer as it completes, gets the last token's hidden state as the context
+blob, and reports completion on its own thread — which only queues the page release
+onto the engine thread (the allocator is not thread-safe). ``on_done(error)`` runs
+when every send completed (``None``) or the transfer failed (a message).
+
+>>> svc = PrefillService(EngineConfig("checkpoints/demo/target"))   # doctest: +SKIP
+>>> svc.start(); svc.submit(desc, prompt_ids, on_done=print)         # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig
+
+from ..engine.llm_engine import EngineConfig
+from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
+from .pool import TARGET
+
+log = logging.getLogger(__name__)
+DoneCallback = Callable[[str | None], None]
+
+
+class PrefillService(PrefillHooks):
+    def __init__(self, config: EngineConfig, sender_config: SenderConfig | None = None):
+        self.engine = PrefillEngine.from_config(config, hooks=self)
+        self.sender = KVSender({TARGET: self.engine.pool}, config=sender_config,
+                               name="prefill-messenger")
+        self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
+        self._transfers: dict[str, object] = {}
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="tandem-prefill", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.sender.close()
+
+    # -- any thread -----------------------------------------------------------------------
+    def submit(self, desc: DestinationDescriptor, prompt_ids: list[int],
+               on_done: DoneCallback) -> str:
+        """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation."""
+        if len(prompt_ids) - 1 != desc.num_tokens:
+            raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
+                             f"{len(prompt_ids)} tokens prefills {len(prompt_ids) - 1}")
+        if [m.name for m in desc.models] != [TARGET]:
+            raise ValueError(f"the reservation is for models {[m.name for m in desc.models]}; "
+                             f"this prefill serves [{TARGET!r}]")
+        rid = f"prefill-{next(self._ids)}"
+        with self._wake:
+            self._inbox.append(("add", rid, (desc, list(prompt_ids[:-1]), on_done)))
+            self._wake.notify()
+        return rid
+
+    # -- messenger thread -----------------------------------------------------------------
+    def _transfer_done(self, rid: str, t) -> None:
+        with self._wake:
+            self._inbox.append(("done", rid, t))
+            self._wake.notify()
+
+    # -- engine thread: hooks -------------------------------------------------------------
+    def on_admit(self, req: PrefillRequest) -> None:
+        desc, _ = self._jobs[req.request_id]
+        self._transfers[req.request_id] = self.sender.begin(
+            desc, req.pages, on_done=lambda t, rid=req.request_id: self._transfer_done(rid, t))
+
+    def before_forward(self, chunks):
+        live = {self._transfers[r.request_id]: end for r, end in chunks}
+        live = {t: end for t, end in live.items() if not t.done}   # failed ones: nothing to send
+        return self.sender.step(TARGET, live).layer_done if live else None
+
+    def on_prefilled(self, req: PrefillRequest) -> None:
+        t = self._transfers[req.request_id]
+        if t.plan.context_nbytes and not t.done:
+            self.sender.send_context(t, [req.hidden])
+
+    # -- engine thread: loop --------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self.engine.has_work() and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                items = list(self._inbox)
+                self._inbox.clear()
+            for kind, rid, obj in items:
+                if kind == "add":
+                    self._add(rid, *obj)
+                else:
+                    self._finish(rid, obj)
+            try:
+                self.engine.step()
+            except Exception:
+                log.exception("prefill step failed")
+                for rid in [r.request_id for r in (*self.engine.waiting, *self.engine.running)]:
+                    self._abort(rid, "prefill failed (see the server log)")
+
+    def _add(self, rid: str, desc, token_ids, on_done) -> None:
+        try:
+            self.engine.add(rid, token_ids)
+        except ValueError as e:
+            return _call(on_done, str(e))
+        self._jobs[rid] = (desc, on_done)
+
+    def _finish(self, rid: str, t) -> None:
+        """The transfer ended: every send completed, or it failed (then the prefill,
+        if still running, is pointless)."""
+        self._transfers.pop(rid, None)
+        job = self._jobs.pop(rid, None)
+        if job is None:
+            return   # aborted already
+        if rid in self.engine.finished:
+            self.engine.release(rid)
+        else:
+            self.engine.abort(rid)
+        _call(job[1], None if t.error is None else str(t.error))
+
+    def _abort(self, rid: str, message: str) -> None:
+        # The transfer (if begun) can no longer complete: the decoder's reservation
+        # times out. Sends already in flight may read pages freed here, but only into
+        # a reservation that will never be READY.
+        self._transfers.pop(rid, None)
+        job = self._jobs.pop(rid, None)
+        self.engine.abort(rid)
+        if job is not None:
+            _call(job[1], message)
+
+
+def _call(cb: DoneCallback, error: str | None) -> None:
+    try:
+        cb(error)
+    except Exception:
+        log.exception("prefill on_done callback failed")

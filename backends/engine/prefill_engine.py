@@ -1,0 +1,171 @@
+"""Prefill-only engine for disaggregated serving: chunked prefill, never sampling.
+
+A request is ``prompt[:-1]`` (the decoder treats the last prompt token as its first
+decode token and samples from it). All of a request's pages are allocated when it
+is admitted — the KV messenger must know every source page before the first chunk
+runs, and a prefill whose pages are being streamed must never be preempted. Each
+forward is announced to a :class:`PrefillHooks` (which returns the ``on_layer_done``
+callback that lets a messenger push a layer's pages while later layers compute);
+a finished prefill keeps its pages until :meth:`PrefillEngine.release` (after its
+transfer completed), and exposes the final hidden state of its last token.
+
+>>> eng = PrefillEngine.from_config(EngineConfig("checkpoints/demo/target"))  # doctest: +SKIP
+>>> eng.add("r0", [1, 2, 3, 4])                                               # doctest: +SKIP
+>>> done = eng.step()            # one chunked-prefill forward; finished ones  # doctest: +SKIP
+>>> done[0].hidden.shape, eng.release("r0")                                   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..kv_cache import KVPagePool, PageAllocator, pages_needed
+from ..models import load_model
+from .llm_engine import DEFAULT_KV_CACHE_BYTES
+from .model_runner import ForwardBatch, ModelRunner
+
+LayerCallback = Callable[[int], None]
+
+
+@dataclass(slots=True, eq=False)
+class PrefillRequest:
+    request_id: str
+    token_ids: list[int]              # prompt[:-1]: the KV this prefill produces
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hidden: torch.Tensor | None = None   # pre-norm hidden state of the last token, when done
+
+    @property
+    def done(self) -> bool:
+        return self.num_computed == len(self.token_ids)
+
+
+class PrefillHooks:
+    """What a KV messenger sees of the prefill engine (all on the engine's thread)."""
+
+    def on_admit(self, req: PrefillRequest) -> None:
+        """Pages were allocated for ``req`` (``req.pages``, in sequence order)."""
+
+    def before_forward(self, chunks: list[tuple[PrefillRequest, int]]) -> LayerCallback | None:
+        """A forward computes each request's tokens up to ``end`` (exclusive);
+        the returned callable is told after each layer."""
+        return None
+
+    def on_prefilled(self, req: PrefillRequest) -> None:
+        """``req``'s last chunk ran; ``req.hidden`` is set."""
+
+
+class PrefillEngine:
+    def __init__(self, model, pool: KVPagePool, allocator: PageAllocator,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 hooks: PrefillHooks | None = None):
+        self.model, self.pool, self.allocator = model, pool, allocator
+        self.runner = ModelRunner(model, pool)
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.hooks = hooks or PrefillHooks()
+        self.waiting: deque[PrefillRequest] = deque()
+        self.running: list[PrefillRequest] = []        # admission order, pages allocated
+        self.finished: dict[str, PrefillRequest] = {}  # holding pages until released
+
+    @classmethod
+    def from_config(cls, config, hooks: PrefillHooks | None = None) -> "PrefillEngine":
+        """Build from an :class:`~.llm_engine.EngineConfig` (speculation is not used)."""
+        config.validate()
+        model = load_model(config.model_dir, config.dtype, config.device)
+        cfg, dtype = model.config, model.embed_tokens.weight.dtype
+        page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * config.page_size
+                      * cfg.head_dim * torch.finfo(dtype).bits // 8)
+        useful = config.max_num_seqs * pages_needed(
+            config.max_model_len or cfg.max_position_embeddings, config.page_size)
+        num_pages = config.num_pages or max(1, min(DEFAULT_KV_CACHE_BYTES // page_bytes, useful))
+        pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
+                          config.page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
+        return cls(model, pool, PageAllocator(num_pages), config.max_num_batched_tokens,
+                   config.max_num_seqs, hooks)
+
+    # -- requests -------------------------------------------------------------------------
+    def add(self, request_id: str, token_ids: list[int]) -> PrefillRequest:
+        if not token_ids:
+            raise ValueError("nothing to prefill: a one-token prompt goes straight to decode")
+        if self._find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        need = pages_needed(len(token_ids), self.pool.page_size)
+        if need > self.allocator.num_pages:
+            raise ValueError(f"prefill of {len(token_ids)} tokens needs {need} KV pages, the "
+                             f"prefill pool has {self.allocator.num_pages}")
+        req = PrefillRequest(request_id, list(token_ids))
+        self.waiting.append(req)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Free a finished prefill's pages (its transfer completed or failed)."""
+        req = self.finished.pop(request_id)
+        self._free(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self._find(request_id)
+        if req is None:
+            return False
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        self.finished.pop(request_id, None)
+        self._free(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[PrefillRequest]:
+        """Admit what fits, run one chunked-prefill forward; returns requests whose
+        prefill just finished (they keep their pages until :meth:`release`)."""
+        self._admit()
+        chunks, budget = [], self.max_num_batched_tokens
+        for req in self.running:
+            if budget == 0:
+                break
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            chunks.append((req, req.num_computed + n))
+            budget -= n
+        if not chunks:
+            return []
+        on_layer_done = self.hooks.before_forward(chunks)
+        batch = ForwardBatch([r.token_ids[r.num_computed:end] for r, end in chunks],
+                             [r.num_computed for r, _ in chunks], [r.pages for r, _ in chunks])
+        inputs, hidden = self.runner.forward(batch, on_layer_done=on_layer_done)
+        last = inputs.last_rows.tolist()
+        done = []
+        for i, (req, end) in enumerate(chunks):
+            req.num_computed = end
+            if req.done:
+                req.hidden = hidden[last[i]].clone()
+                self.running.remove(req)
+                self.finished[req.request_id] = req
+                done.append(req)
+                self.hooks.on_prefilled(req)
+        return done
+
+    def _admit(self) -> None:
+        # all pages up front, oldest first (FIFO: a large request is not starved)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = pages_needed(len(req.token_ids), self.pool.page_size)
+            if not self.allocator.can_alloc(need):
+                break
+            req.pages = self.allocator.alloc(need)
+            self.running.append(self.waiting.popleft())
+            self.hooks.on_admit(req)
+
+    def _find(self, request_id: str) -> PrefillRequest | None:
+        if request_id in self.finished:
+            return self.finished[request_id]
+        return next((r for r in (*self.waiting, *self.running) if r.request_id == request_id), None)
+
+    def _free(self, req: PrefillRequest) -> None:
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []

@@ -1,0 +1,81 @@
+"""Requests whose prompt KV another process computes (disaggregated prefill).
+
+The decode engine holds each such request outside its scheduler until the request's
+:class:`KVTicket` reports that the KV has arrived (the transfer's counter reached its
+expected value); it then admits it with :meth:`LLMEngine.add_prefilled`. Polling is
+non-blocking, so a slow transfer never stalls the running batch.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from .llm_engine import RequestOutput
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferFailed(RuntimeError):
+    """The prompt KV will not arrive (prefill died, timed out, or was reclaimed)."""
+
+
+class KVTicket(Protocol):
+    def poll(self) -> list[int] | None:
+        """The pages (now owned by the caller) once the KV arrived, else None;
+        raises :class:`KVTransferFailed` when it never will."""
+
+    def cancel(self) -> None:
+        """The request went away: give the pages back (now, or when they arrive)."""
+
+
+class PendingPrefills:
+    """Sequences waiting for their KV, in arrival order (engine thread only)."""
+
+    poll_s = 0.002   # how often an otherwise idle engine polls the counters
+
+    def __init__(self):
+        self._waiting: dict[str, tuple[Sequence, KVTicket]] = {}
+        self._failed: list[RequestOutput] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, seq: Sequence, ticket: KVTicket) -> None:
+        self._waiting[seq.request_id] = (seq, ticket)
+
+    def request_ids(self) -> list[str]:
+        return list(self._waiting)
+
+    def ready(self) -> list[tuple[Sequence, list[int]]]:
+        """Sequences whose KV arrived, with their pages; failures are kept for
+        :meth:`take_failed`."""
+        out = []
+        for rid, (seq, ticket) in list(self._waiting.items()):
+            try:
+                pages = ticket.poll()
+            except KVTransferFailed as e:
+                log.warning("request %s: %s", rid, e)
+                del self._waiting[rid]
+                self._failed.append(_ended(seq, "error"))
+                continue
+            if pages is not None:
+                del self._waiting[rid]
+                out.append((seq, pages))
+        return out
+
+    def take_failed(self) -> list[RequestOutput]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def cancel(self, request_id: str) -> RequestOutput | None:
+        entry = self._waiting.pop(request_id, None)
+        if entry is None:
+            return None
+        seq, ticket = entry
+        ticket.cancel()
+        return _ended(seq, "abort")
+
+
+def _ended(seq: Sequence, reason: str) -> RequestOutput:
+    return RequestOutput(seq.request_id, [], "", True, reason, len(seq.prompt_ids), 0)

@@ -1,0 +1,48 @@
+"""The ``decode`` model: the colocated model's streaming front, on the shared pool.
+
+It differs from :mod:`.llm_model` in two places: the engine's KV lives in the
+server's shared decode pool (which kv_transfer receives into), and a request with a
+``kv_descriptor`` is submitted as prefilled — the engine admits it when the
+reservation's counter completes (polled without blocking the batch), then runs the
+last prompt token as a decode token and samples the first output token.
+"""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, pool_spec, token_ids
+from .llm_model import TritonPythonModel as _StreamingModel
+
+
+class TritonPythonModel(_StreamingModel):
+    def _make_engine(self, s):
+        from tandem.backends.disagg import decode_engine, open_or_create
+
+        if s.spec_method != "none":
+            raise pb_utils.TritonModelException(
+                "decode: speculative decoding is not supported on the disaggregated path yet; "
+                "set spec_method to none")
+        self.pool = open_or_create(pool_spec(s))
+        return decode_engine(self.pool, s.model_dir, dtype=s.dtype,
+                             max_num_seqs=s.max_num_seqs,
+                             max_num_batched_tokens=s.max_num_batched_tokens)
+
+    def _submit(self, request, parsed, on_output) -> str:
+        from tandem.backends.disagg import SharedPoolTicket
+        from tandem.rdma import DestinationDescriptor
+
+        ids = token_ids(pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy())
+        desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
+        params = parsed.sampling_params()
+        if desc == NO_TRANSFER:
+            return self.engine.submit(ids, params, on_output)
+        d = DestinationDescriptor.from_bytes(desc)
+        return self.engine.submit_prefilled(ids, params, SharedPoolTicket(self.pool, d.slot, d.generation),
+                                            on_output)
+
+    def finalize(self) -> None:
+        super().finalize()
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+            pool.unlink()

@@ -1,0 +1,29 @@
+"""What the disaggregated models (preprocess, kv_transfer, prefill, decode) agree on,
+without Triton: tensor names, the no-transfer sentinel, the shared pool's spec."""
+from __future__ import annotations
+
+import numpy as np
+
+from .settings import EngineSettings
+
+INPUT_IDS = "input_ids"            # INT32 [1, n]: the tokenized prompt (preprocess)
+KV_DESCRIPTOR = "kv_descriptor"    # UINT8 [1, m]: DestinationDescriptor bytes (kv_transfer)
+PREFILL_ACK = "prefill_ack"        # BOOL [1, 1]: prefill accepted the job (prefill)
+# a one-token prompt has nothing to prefill: the decoder runs it as its first decode token
+NO_TRANSFER = b"\0"
+
+
+def pool_spec(s: EngineSettings):
+    """The shared decode pool of this server, from the model's settings."""
+    from tandem.backends.disagg import decode_pool_spec, default_num_pages, server_pool_name
+    num_pages = s.num_pages or default_num_pages(s.model_dir, s.dtype, s.page_size, s.max_num_seqs)
+    return decode_pool_spec(server_pool_name(), s.model_dir, s.dtype, s.page_size, s.kv_layout,
+                            num_pages)
+
+
+def as_bytes_tensor(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).reshape(1, -1).copy()
+
+
+def token_ids(arr: np.ndarray) -> list[int]:
+    return [int(t) for t in np.asarray(arr).reshape(-1)]

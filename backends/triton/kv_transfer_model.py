@@ -1,0 +1,50 @@
+"""The ``kv_transfer`` model: the decode node's transfer engine.
+
+It creates (or maps) the server's shared decode pool and runs a
+:class:`~tandem.rdma.KVReceiver` on it. Per request it reserves un-evictable pages for
+``input_ids[:-1]`` plus the context blob, arms the reservation's counter, and
+returns the destination descriptor (``kv_descriptor``) for prefill; receives run on
+the receiver's own thread. An unclaimed or unfed reservation is reclaimed by lease.
+"""
+from __future__ import annotations
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
+from .settings import EngineSettings
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        from tandem.backends.disagg import open_or_create
+        from tandem.rdma import KVReceiver
+
+        s = EngineSettings.from_model_config(json.loads(args["model_config"]))
+        self.pool = open_or_create(pool_spec(s))
+        self.context_nbytes = self.pool.spec.context_bytes
+        self.receiver = KVReceiver(self.pool, name="kv_transfer")
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        from tandem.rdma.shared_pool import OutOfPages
+        n = pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy().size
+        try:
+            desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
+                n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
+        except OutOfPages as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE))
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
+
+    def finalize(self) -> None:
+        receiver, pool = getattr(self, "receiver", None), getattr(self, "pool", None)
+        if receiver is not None:
+            receiver.close()
+        if pool is not None:
+            pool.close()
+            pool.unlink()

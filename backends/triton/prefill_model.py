@@ -1,0 +1,59 @@
+"""The ``prefill`` model: chunked prefill of ``input_ids[:-1]`` in its own process,
+streaming each layer's KV into the decoder's reservation.
+
+``execute`` hands each job to the :class:`~tandem.backends.disagg.PrefillService`
+and answers at once (``prefill_ack``): the decoder learns that the KV arrived from
+its reservation's counter, not from this model.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, PREFILL_ACK, token_ids
+from .settings import EngineSettings
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from tandem.backends.disagg import PrefillService
+        from tandem.backends.engine import EngineConfig
+
+        s = EngineSettings.from_model_config(json.loads(args["model_config"]))
+        torch.set_num_threads(s.threads)
+        self.service = PrefillService(EngineConfig(
+            s.model_dir, s.dtype, s.page_size, s.kv_layout, None, s.max_num_seqs,
+            s.max_num_batched_tokens))
+        self.service.start()
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        from tandem.rdma import DestinationDescriptor
+        from tandem.rdma.wire import MalformedMessage
+
+        desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
+        ids = token_ids(pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy())
+        if desc != NO_TRANSFER:
+            try:
+                self.service.submit(DestinationDescriptor.from_bytes(desc), ids, _log_failure)
+            except (MalformedMessage, ValueError) as e:
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"kv_descriptor: {e}", pb_utils.TritonError.INTERNAL))
+        ack = np.ones((1, 1), dtype=bool)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PREFILL_ACK, ack)])
+
+    def finalize(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.shutdown()
+
+
+def _log_failure(error: str | None) -> None:
+    if error is not None:
+        pb_utils.Logger.log_warn(f"[prefill] KV transfer failed: {error}")

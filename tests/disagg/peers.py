@@ -1,0 +1,79 @@
+"""Peer processes for the disaggregation tests: the receiver host of the rdma tests
+(kv_transfer) and a prefill server (:class:`PrefillService`), driven over a pipe."""
+from __future__ import annotations
+
+import threading
+import traceback
+
+from ..rdma import peers as rdma_peers
+from ..rdma.peers import Peer as _RdmaPeer, _ctx, pid, rx_reserve, rx_start, rx_stats  # noqa: F401
+
+_state: dict = {}
+
+
+class Peer(_RdmaPeer):
+    """A spawned process that runs this module's functions on request."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.conn, child = _ctx.Pipe()
+        self.proc = _ctx.Process(target=_serve, args=(child,), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+
+
+def _serve(conn) -> None:
+    import torch
+    torch.set_num_threads(1)
+    while True:
+        try:
+            fn, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, globals()[fn](*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the test
+            conn.send((False, traceback.format_exc()))
+        if fn == "shutdown":
+            return
+
+
+def shutdown() -> None:
+    svc = _state.pop("prefill", None)
+    if svc is not None:
+        svc.shutdown()
+    rdma_peers.reset()
+
+
+def prefill_start(model_dir: str, timeout_s: float = 15.0, **engine_args) -> None:
+    from tandem.backends.disagg import PrefillService
+    from tandem.backends.engine import EngineConfig
+    from tandem.rdma import SenderConfig
+    if "prefill" in _state:
+        _state.pop("prefill").shutdown()
+    svc = PrefillService(EngineConfig(model_dir, **engine_args), SenderConfig(timeout_s=timeout_s))
+    svc.start()
+    _state["prefill"] = svc
+
+
+def prefill_run(jobs, wait_s: float = 60.0) -> list:
+    """Prefill every (descriptor bytes, prompt ids) job; the on_done results, in order."""
+    from tandem.rdma import DestinationDescriptor
+    svc = _state["prefill"]
+    results, left = [None] * len(jobs), threading.Semaphore(0)
+
+    def done(i, err):
+        results[i] = err or "ok"
+        left.release()
+    for i, (desc, ids) in enumerate(jobs):
+        svc.submit(DestinationDescriptor.from_bytes(desc), ids, lambda e, i=i: done(i, e))
+    for _ in jobs:
+        if not left.acquire(timeout=wait_s):
+            raise TimeoutError(f"prefill did not finish within {wait_s}s: {results}")
+    return results
+
+
+def prefill_pages() -> tuple[int, int]:
+    """(free, total) pages of the prefill pool."""
+    a = _state["prefill"].engine.allocator
+    return a.num_free, a.num_pages

@@ -1,0 +1,150 @@
+"""Prefill engine -> KV transfer -> decode engine, against the colocated engine.
+
+The decoder samples the first token from the last prompt token (prefill never
+samples), so greedy output must equal ``LLM.generate`` token for token; pages and
+reservations must return to where they started.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tandem.backends.disagg import SharedPoolTicket, context_nbytes, decode_engine
+from tandem.backends.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from tandem.backends.engine.prefill_engine import PrefillEngine, PrefillHooks
+from tandem.rdma import DestinationDescriptor
+
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:",
+           "x = [i * i for i in range(10)]\nprint(", "    return self._data[key]\n\n    def ",
+           "# " + "the quick brown fox jumps over the lazy dog " * 3]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def colocated(demo_checkpoint):
+    llm = LLM(str(demo_checkpoint), page_size=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.engine
+
+
+class _Recorder(PrefillHooks):
+    def __init__(self):
+        self.forwards, self.layers = [], 0
+
+    def before_forward(self, chunks):
+        self.forwards.append([(r.request_id, end) for r, end in chunks])
+        def layer_done(layer):
+            self.layers += 1
+        return layer_done
+
+
+def test_prefill_engine_chunks_and_add_prefilled_continue_in_process(demo_checkpoint, colocated):
+    """Part (a) and (b) without processes: prefill KV copied page by page into the
+    decoder's pool, then the decoder continues from it."""
+    expected, ref = colocated
+    hooks = _Recorder()
+    prefill = PrefillEngine.from_config(EngineConfig(str(demo_checkpoint), page_size=4,
+                                                     max_num_batched_tokens=8, num_pages=64), hooks)
+    decoder = LLMEngine(EngineConfig(str(demo_checkpoint), page_size=4))
+    ids = [ref.tokenize(p) for p in PROMPTS]
+    for i, toks in enumerate(ids):
+        prefill.add(f"p{i}", toks[:-1])
+    done = {}
+    while prefill.has_work():
+        for r in prefill.step():
+            done[r.request_id] = r
+    assert max(len(f) for f in hooks.forwards) > 1 and len(hooks.forwards) > 2   # batched, chunked
+    assert hooks.layers == len(hooks.forwards) * prefill.model.config.num_hidden_layers
+    outs = {}
+    for i, toks in enumerate(ids):
+        r = done[f"p{i}"]
+        assert r.hidden.shape == (prefill.model.config.hidden_size,)
+        pages = decoder.allocator.alloc(len(r.pages))
+        decoder.pool.kv[:, pages] = prefill.pool.kv[:, r.pages]
+        prefill.release(f"p{i}")
+        seq = decoder.make_sequence(toks, GREEDY, request_id=f"d{i}")
+        decoder.add_prefilled(seq, pages)
+        outs[f"d{i}"] = seq
+    assert prefill.allocator.num_free == prefill.allocator.num_pages
+    while decoder.has_unfinished():
+        decoder.step()
+    assert [outs[f"d{i}"].output_ids for i in range(len(ids))] == expected
+    assert decoder.allocator.num_free == decoder.allocator.num_pages
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_decode_pool,
+                                               rx_peer, prefill_peer, kv_layout):
+    expected, ref = colocated
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir, page_size=4, kv_layout=kv_layout, num_pages=64)
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, kv_layout=kv_layout,
+                 max_num_batched_tokens=8, num_pages=32)
+    prefill_start_pages = prefill_peer("prefill_pages")
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64)
+    engine.start()
+    try:
+        ids = [ref.tokenize(p) for p in PROMPTS]
+        ctx = context_nbytes(model_dir, "float32")
+        descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
+        assert pool.stats().reserved > 0
+        tokens = {i: [] for i in range(len(ids))}
+        reasons, finished = {}, threading.Semaphore(0)
+
+        def collect(i):
+            def on_output(out):
+                tokens[i].extend(out.new_token_ids)
+                if out.finished:
+                    reasons[i] = out.finish_reason
+                    finished.release()
+            return on_output
+        # the decoder learns of every request first and waits for its KV without blocking
+        for i, (t, d) in enumerate(zip(ids, descs)):
+            d = DestinationDescriptor.from_bytes(d)
+            engine.submit_prefilled(t, GREEDY, SharedPoolTicket(pool, d.slot, d.generation),
+                                    collect(i))
+        assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
+        for _ in ids:
+            assert finished.acquire(timeout=60)
+        assert reasons == {i: "length" for i in range(len(ids))}
+        assert [tokens[i] for i in range(len(ids))] == expected
+    finally:
+        engine.shutdown()
+    assert pool.stats() == start
+    assert prefill_peer("prefill_pages") == prefill_start_pages
+
+
+def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, make_decode_pool,
+                                                              rx_peer):
+    """No prefill ever comes: the reservation times out, the decoder ends the request
+    with an error and nothing leaks; a request running beside it is not stalled."""
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir)
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name, fail_grace_s=30.0, timeout_s=1.0)
+    engine = decode_engine(pool, model_dir, dtype="float32")
+    engine.start()
+    try:
+        d = DestinationDescriptor.from_bytes(rx_peer("rx_reserve", 7, context_nbytes=(
+            context_nbytes(model_dir, "float32"),)))
+        ended = {}
+        events = {k: threading.Event() for k in ("remote", "local")}
+
+        def on(key):
+            def cb(out):
+                if out.finished:
+                    ended[key] = out.finish_reason
+                    events[key].set()
+            return cb
+        engine.submit_prefilled(list(range(3, 11)), GREEDY,
+                                SharedPoolTicket(pool, d.slot, d.generation), on("remote"))
+        engine.submit("def main():", GREEDY, on("local"))
+        assert events["local"].wait(30) and ended["local"] == "length"
+        assert not events["remote"].is_set()          # still waiting for its KV
+        assert events["remote"].wait(30) and ended["remote"] == "error"
+    finally:
+        engine.shutdown()
+    assert pool.stats().free == start.free and pool.stats().slots_active == 0
