@@ -15,6 +15,7 @@ The request format lives in :mod:`.generate_request`, the response rules in
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import signal
 import sys
@@ -232,6 +233,10 @@ class TritonPythonModel:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        # metric objects must die while the stub can still talk to the server: left to
+        # interpreter teardown they are destroyed after its IPC is gone and crash the stub
+        self.metrics = None
+        gc.collect()
         _log("info", f"finalized in {time.monotonic() - start:.2f} s")
 
 
