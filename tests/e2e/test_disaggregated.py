@@ -102,3 +102,7 @@ def test_zz_stop_removes_processes_and_the_shared_pool(server):
     assert stub_processes(server.run_dir) == []
     import os
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{pid}-")]
+    # every model unloaded cleanly: no stub crashed on the way out
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
+    assert "Caught signal" not in log and "Segmentation fault" not in log
+    assert log.count("successfully unloaded") == 5 + 1   # five models and the ensemble
