@@ -4,6 +4,9 @@
     tandem train lm --config configs/target.json --out checkpoints/demo/target --resume
     tandem train export --work-dir .cache/train/target --out checkpoints/demo/target [--best]
     tandem train sample --model checkpoints/demo/target --n 3
+    tandem train mtp --target checkpoints/demo/target --out checkpoints/demo/mtp   (client/train_mtp.py)
+    tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \
+        --mtp mtp=checkpoints/demo/mtp
 
 The CLI (client/cli.py) registers this module with ``add_parser(subparsers)``.
 """
@@ -45,6 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sa.add_argument("--max-new-tokens", type=int, default=96)
     sa.add_argument("--threads", type=int, default=1)
     sa.set_defaults(func=run_sample)
+
+    from .train_mtp import add_subcommands   # mtp, mtp-eval
+    add_subcommands(sub)
     return p
 
 

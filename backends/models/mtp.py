@@ -80,5 +80,6 @@ def load_mtp_head(head_dir: str | Path, target: LlamaForCausalLM) -> MTPHead:
     w = target.embed_tokens.weight
     head = MTPHead(target.config, use_norms=cfg["use_norms"])
     state = load_file(str(head_dir / "model.safetensors"))
-    head.load_state_dict({k: v.to(w.dtype) for k, v in state.items()})
-    return head.to(w.device).eval().requires_grad_(False)
+    head.load_state_dict(state)
+    # the head runs in the target's dtype and on its device (load_state_dict keeps fp32 params)
+    return head.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)

@@ -1,0 +1,117 @@
+"""Target hidden states for MTP-head training, computed by the engine's own forward.
+
+The head learns from exactly what the engine will feed it at serving time: the
+target's pre-norm last hidden states as :class:`~tandem.backends.engine.model_runner.ModelRunner`
+computes them over the paged KV cache, in the serving dtype (bf16 by default), not
+from a separate training-only implementation. They are computed once per
+(target weights, token windows, dtype) and cached on disk.
+
+>>> windows = train_windows(stream, num_windows=512, window_len=512, seed=0)  # doctest: +SKIP
+>>> hs = load_or_compute(target_dir, windows, ".cache/train/mtp/hidden")     # doctest: +SKIP
+>>> hs.tokens.shape, hs.hidden.shape                                          # doctest: +SKIP
+(torch.Size([512, 512]), torch.Size([512, 512, 384]))
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.model_runner import ForwardBatch, ModelRunner
+from ..kv_cache import KVPagePool, pages_needed
+from ..models import LlamaForCausalLM, load_model
+
+log = logging.getLogger("tandem.train")
+
+
+@dataclass(slots=True)
+class HiddenStates:
+    tokens: torch.Tensor    # [n, W] int64: token windows, each starting at KV position 0
+    hidden: torch.Tensor    # [n, W, H]: the target's pre-norm last hidden state of every token
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def train_windows(stream: torch.Tensor, num_windows: int, window_len: int, seed: int) -> torch.Tensor:
+    """``num_windows`` distinct non-overlapping windows [n, window_len] of a token stream,
+    chosen at random (seeded): a subset of the corpus sized for the machine."""
+    available = stream.numel() // window_len
+    if available == 0:
+        raise ValueError(f"token stream has {stream.numel()} tokens, fewer than one window "
+                         f"of {window_len}")
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(available, generator=g)[:num_windows].sort().values
+    idx = picks[:, None] * window_len + torch.arange(window_len)
+    return stream[idx].long()
+
+
+def validation_windows(stream: torch.Tensor, num_windows: int, window_len: int) -> torch.Tensor:
+    """The first ``num_windows`` non-overlapping windows of the validation stream."""
+    n = min(num_windows, stream.numel() // window_len)
+    if n == 0:
+        raise ValueError(f"validation stream has {stream.numel()} tokens, fewer than one "
+                         f"window of {window_len}")
+    return stream[:n * window_len].view(n, window_len).long()
+
+
+@torch.no_grad()   # not inference_mode: the result is a training input
+def compute_hidden_states(target: LlamaForCausalLM, windows: torch.Tensor,
+                          batch_windows: int = 8, page_size: int = 16) -> torch.Tensor:
+    """[n, W, H] hidden states of ``windows`` [n, W] through ModelRunner's paged prefill
+    (FlashInfer-shaped wrappers; FlashInfer itself on CUDA), returned on the CPU."""
+    cfg, w = target.config, target.embed_tokens.weight
+    n, width = windows.shape
+    per_window = pages_needed(width, page_size)
+    pool = KVPagePool(cfg.num_hidden_layers, batch_windows * per_window, cfg.num_key_value_heads,
+                      page_size, cfg.head_dim, w.dtype, "HND", w.device)
+    runner = ModelRunner(target, pool)
+    out = torch.empty(n, width, cfg.hidden_size, dtype=w.dtype)
+    for a in range(0, n, batch_windows):
+        chunk = windows[a:a + batch_windows]
+        pages = [list(range(i * per_window, (i + 1) * per_window)) for i in range(len(chunk))]
+        _, hidden = runner.forward(ForwardBatch(chunk.tolist(), [0] * len(chunk), pages))
+        out[a:a + len(chunk)] = hidden.view(len(chunk), width, -1).cpu()
+    return out
+
+
+def target_fingerprint(target_dir: str | Path) -> str:
+    """sha256 of the target's config.json and weights: a head is trained for one target."""
+    h = hashlib.sha256()
+    target_dir = Path(target_dir)
+    for f in [target_dir / "config.json", *sorted(target_dir.glob("*.safetensors"))]:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: str | Path,
+                    dtype: str = "bfloat16", device: str = "cpu",
+                    target: LlamaForCausalLM | None = None) -> HiddenStates:
+    """Hidden states of ``windows`` from the cache, or computed (and cached) when the
+    target's weights, the windows or the dtype changed."""
+    key = hashlib.sha256()
+    key.update(target_fingerprint(target_dir).encode())
+    key.update(f"{dtype}:{tuple(windows.shape)}".encode())
+    key.update(windows.to(torch.int32).numpy().tobytes())
+    path = Path(cache_dir) / f"hidden-{key.hexdigest()[:16]}.pt"
+    if path.is_file():
+        log.info("hidden states: cached %s", path)
+        return HiddenStates(windows, torch.load(path))
+    if target is None:
+        target = load_model(target_dir, dtype, device)
+    t0 = time.monotonic()
+    hidden = compute_hidden_states(target, windows.to(target.embed_tokens.weight.device))
+    log.info("hidden states: %d windows x %d tokens through the engine's paged forward in %.0f s "
+             "(%s, %.0f MB) -> %s", *windows.shape, time.monotonic() - t0, dtype,
+             hidden.numel() * hidden.element_size() / 1e6, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(hidden, tmp)
+    tmp.replace(path)
+    return HiddenStates(windows, hidden)

@@ -1,0 +1,394 @@
+"""MTP-head training (``tandem train mtp``): one decoder layer on a frozen target.
+
+The head (:class:`~tandem.backends.models.mtp.MTPHead`) is trained on the target's
+hidden states, precomputed by the engine's paged forward (:mod:`.hidden_states`).
+The target's embeddings, final norm and lm_head are used frozen and never copied
+into the head's checkpoint. Row ``i`` of a window reads ``(t_{i+1}, h_i)``; its
+output ``g_i`` is trained towards the target's next position:
+
+    loss = ce_weight  * CE(softmax(lm_head(norm(h_{i+1}))), lm_head(norm(g_i)))
+         + reg_weight * SmoothL1(g_i, h_{i+1})
+
+The cross-entropy's labels are by default the target's own next-token distribution
+(its logits at row ``i+1``, computed from the cached ``h_{i+1}`` for the price of one
+lm_head GEMM): what greedy acceptance measures is agreement with the target, not
+with the corpus. ``ce_labels="data"`` uses the corpus tokens instead. The hidden-state
+regression keeps ``g`` in the target's hidden space, which the head needs to draft
+more than one token (it then reads its own ``g`` in place of ``h``). EAGLE weights
+the two as 1 (regression) : 0.1 (classification); here the classification term is
+the one acceptance depends on, so it gets weight 1 and the regression 0.1 by
+default (see configs/mtp.json).
+
+``unroll > 1`` adds EAGLE-3-style training-time test: step ``p`` feeds step ``p-1``'s
+output back as the hidden state, at the positions and with the KV the engine's
+:meth:`MTPProposer.propose` uses, weighted ``unroll_decay ** (p-1)``.
+
+>>> cfg = MTPTrainConfig.from_file("configs/mtp.json")                         # doctest: +SKIP
+>>> train_mtp(cfg, "checkpoints/demo/target", data, ".cache/train/mtp", "checkpoints/demo/mtp")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models import LlamaForCausalLM, load_model
+from ..models.mtp import MTPHead, save_mtp_head
+from .hidden_states import (HiddenStates, load_or_compute, target_fingerprint, train_windows,
+                            validation_windows)
+from .lm import OptimConfig, _atomic_save, _StopFlag, autocast, init_weights, lr_at
+
+log = logging.getLogger("tandem.train")
+EVAL_STEPS = 3
+
+
+@dataclass(slots=True)
+class MTPConfig:
+    use_norms: bool = True          # the RMSNorms EAGLE dropped, re-introduced
+    num_windows: int = 512          # training windows of optim.seq_len tokens (the token subset)
+    hidden_dtype: str = "bfloat16"  # dtype of the target run that produces the hidden states
+    ce_labels: str = "target"       # "target": the target's next-token distribution; "data"
+    ce_weight: float = 1.0
+    reg_weight: float = 0.1         # smooth L1 of g_i onto h_{i+1}
+    unroll: int = 1                 # draft steps trained per row (training-time test)
+    unroll_decay: float = 0.5       # weight of step p is unroll_decay ** (p - 1)
+
+
+@dataclass(slots=True)
+class MTPTrainConfig:
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MTPTrainConfig":
+        allowed = {"mtp", "optim", "comment"}
+        if set(d) - allowed:
+            raise ValueError(f"mtp config: unknown sections {sorted(set(d) - allowed)}; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+        cfg = cls(_build(MTPConfig, d.get("mtp", {})), _build(OptimConfig, d.get("optim", {})))
+        if cfg.mtp.ce_labels not in ("target", "data"):
+            raise ValueError(f"mtp.ce_labels {cfg.mtp.ce_labels!r} is invalid; allowed: target, data")
+        if cfg.mtp.unroll < 1:
+            raise ValueError(f"mtp.unroll {cfg.mtp.unroll} is invalid; allowed: >= 1")
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "MTPTrainConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict:
+        return {"mtp": asdict(self.mtp), "optim": asdict(self.optim)}
+
+
+def _build(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    if set(d) - names:
+        raise ValueError(f"mtp config: unknown {cls.__name__} keys {sorted(set(d) - names)}; "
+                         f"allowed: {', '.join(sorted(names))}")
+    return cls(**d)
+
+
+# -- the head's training forward ---------------------------------------------------------
+
+class UnrolledAttention:
+    """Dense attention of the training forward; the engine's MTPProposer computes the
+    same rows on its paged cache (tests/unit/test_mtp_training.py checks they agree).
+
+    Step 1 is causal over its rows. Row i of step p (p >= 2) sits at position i+p-1 and sees what the head's KV cache holds when
+    the engine drafts that token: step 1's rows 0..i (computed from the target's hidden
+    states after verification) and row i of steps 2..p (the drafts before it)."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, layer, q, k, v):
+        b = self.batch
+        r = q.shape[0] // b
+        q, k, v = (x.view(b, r, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        self.kv.append((k, v))
+        if len(self.kv) == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            keys = torch.cat([kk[:, :, :r] for kk, _ in self.kv], 2)
+            values = torch.cat([vv[:, :, :r] for _, vv in self.kv], 2)
+            i = torch.arange(r, device=q.device)
+            causal = i[None, :] <= i[:, None]
+            diagonal = i[None, :] == i[:, None]
+            mask = torch.cat([causal] + [diagonal] * (len(self.kv) - 1), 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * r, out.shape[1], out.shape[3])
+
+
+@dataclass(slots=True)
+class StepLosses:
+    loss: torch.Tensor          # weighted total, for backward
+    ce: list[float]             # per draft step
+    kl: list[float]             # KL(target || head) of the next-token distributions
+    reg: list[float]
+    top1: list[float]           # argmax agreement with the target's next token
+
+
+def unrolled_forward(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor,
+                     hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs for draft steps 1..steps over windows tokens [B, W] with the
+    target's hidden states [B, W, H]: row i of step p reads t_{i+p} and (step 1) h_i or
+    (later steps) row i of step p-1, at position i+p-1, and is trained towards h_{i+p}.
+    Returns [B, W-1-p, H] per step (rows whose label t_{i+p+1} is in the window)."""
+    b, w = tokens.shape
+    attn = UnrolledAttention(b)
+    g, out = hidden[:, :w - 2], []
+    for p in range(1, steps + 1):
+        r = w - 1 - p
+        if r < 1:
+            break
+        positions = (torch.arange(r, device=tokens.device) + p - 1).repeat(b)
+        g = head(target, tokens[:, p:p + r].reshape(-1), g[:, :r].reshape(b * r, -1), positions,
+                 attn).view(b, r, -1)
+        out.append(g)
+    return out
+
+
+def mtp_loss(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
+             cfg: MTPConfig, amp: str = "bf16") -> StepLosses:
+    """Loss of a batch of windows: tokens [B, W], the target's hidden states [B, W, H]."""
+    hidden = hidden.to(target.embed_tokens.weight.dtype)
+    total = torch.zeros((), device=tokens.device)
+    ce_l, kl_l, reg_l, top1_l = [], [], [], []
+    with autocast(amp):
+        steps = unrolled_forward(head, target, tokens, hidden, cfg.unroll)
+    for p, g in enumerate(steps, 1):
+        r = g.shape[1]
+        want = hidden[:, p:p + r]                       # h_{i+p}
+        with autocast(amp):
+            logits = target.compute_logits(g)
+            with torch.no_grad():
+                t_logits = target.compute_logits(want)  # the target's own next-token logits
+        if cfg.ce_labels == "target":
+            ce = F.cross_entropy(logits.flatten(0, 1), t_logits.flatten(0, 1).softmax(-1))
+        else:
+            ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, p + 1:p + 1 + r].reshape(-1))
+        reg = F.smooth_l1_loss(g.float(), want.float())
+        total = total + cfg.unroll_decay ** (p - 1) * (cfg.ce_weight * ce + cfg.reg_weight * reg)
+        with torch.no_grad():
+            t_logp = t_logits.float().log_softmax(-1)
+            kl = (t_logp.exp() * (t_logp - logits.float().log_softmax(-1))).sum(-1).mean()
+        ce_l.append(ce.item())
+        kl_l.append(kl.item())
+        reg_l.append(reg.item())
+        top1_l.append((logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item())
+    return StepLosses(total, ce_l, kl_l, reg_l, top1_l)
+
+
+@torch.no_grad()
+def evaluate(head: MTPHead, target: LlamaForCausalLM, data: HiddenStates, cfg: MTPConfig,
+             amp: str, batch_size: int) -> dict:
+    """Mean CE, regression loss and top-1 agreement per draft step (at least 3, so heads
+    trained without unrolling are compared on later steps too) over validation windows.
+    This is the training forward; acceptance through the engine is in :mod:`.acceptance`."""
+    cfg = replace(cfg, unroll=max(cfg.unroll, EVAL_STEPS))
+    was_training = head.training
+    head.eval()
+    device = target.embed_tokens.weight.device
+    sums, n = None, 0
+    for a in range(0, len(data), batch_size):
+        tok = data.tokens[a:a + batch_size].to(device)
+        s = mtp_loss(head, target, tok, data.hidden[a:a + batch_size].to(device), cfg, amp)
+        row = s.ce + s.kl + s.reg + s.top1
+        sums = [x * len(tok) for x in row] if sums is None else \
+            [acc + x * len(tok) for acc, x in zip(sums, row)]
+        n += len(tok)
+    head.train(was_training)
+    k = len(sums) // 4
+    mean = [x / n for x in sums]
+    return {name: mean[i * k:(i + 1) * k] for i, name in enumerate(("ce", "kl", "reg", "top1"))}
+
+
+# -- the training run ----------------------------------------------------------------------
+
+@dataclass(slots=True)
+class TokenStreams:
+    train: torch.Tensor         # int [n_train]
+    validation: torch.Tensor    # int [n_val]
+
+
+def load_token_streams(data: str | Path | None, target_dir: str | Path,
+                       work_dir: str | Path) -> TokenStreams:
+    """Train/validation token streams for a target (``--data``): a ``tokens.pt`` from
+    ``tandem train lm`` (the file or its directory), or a directory of sources (or, with
+    ``data=None``, the stdlib corpus) tokenized with the target's tokenizer into
+    ``work_dir/data``."""
+    path = None if data is None else Path(data)
+    if path is not None and path.is_dir() and (path / "tokens.pt").is_file():
+        theirs, ours = path / "tokenizer.json", Path(target_dir) / "tokenizer.json"
+        if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+            raise ValueError(f"--data {path}: its tokenizer.json differs from the target's "
+                             f"({ours}); the head must see the target's token ids")
+        path = path / "tokens.pt"
+    if path is not None and path.is_file():
+        streams = torch.load(path)
+        if not isinstance(streams, dict) or {"train", "validation"} - set(streams):
+            raise ValueError(f"--data {path}: expected a dict with 'train' and 'validation' "
+                             "token streams (as `tandem train lm` caches them)")
+        return TokenStreams(streams["train"], streams["validation"])
+    if path is not None and not path.is_dir():
+        raise FileNotFoundError(f"--data {path}: no such file or directory")
+    from .data import prepare_data
+    d = prepare_data(work_dir, root=path, tokenizer_dir=target_dir)
+    return TokenStreams(d.train, d.validation)
+
+
+def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
+              work_dir: str | Path, out_dir: str | Path | None = None, device: str = "cpu",
+              resume: bool = False, max_steps: int | None = None, command: str | None = None,
+              hidden_cache: str | Path | None = None) -> dict:
+    """Precompute (or reuse) hidden states, train, and export the head with the best
+    validation top-1 agreement to ``out_dir`` (bf16). Returns the training summary.
+
+    ``hidden_cache`` (default ``work_dir/hidden``) can be shared by runs on one target
+    (e.g. the variants with and without norms); entries are keyed by the target's
+    weights, the token windows and the dtype."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    m, o = cfg.mtp, cfg.optim
+    state_path = work / "state.pt"
+    state = None
+    if resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--resume: no {state_path}; start without --resume")
+        state = torch.load(state_path, weights_only=False)
+        if state["config"] != cfg.to_dict():
+            raise ValueError(f"--resume: the config differs from the one in {state_path}")
+        if state["target_fingerprint"] != target_fingerprint(target_dir):
+            raise ValueError(f"--resume: {state_path} trained a head for other target weights; "
+                             "pass --restart to train one for this target")
+    elif state_path.is_file():
+        raise FileExistsError(f"{state_path} exists; pass --resume to continue it, --restart "
+                              "to start over, or choose another --work-dir")
+    (work / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    serving = load_model(target_dir, m.hidden_dtype, device)
+    width = min(o.seq_len, serving.config.max_position_embeddings)
+    vocab = serving.config.vocab_size
+    for name, s in (("train", data.train), ("validation", data.validation)):
+        if s.numel() and (int(s.max()) >= vocab or int(s.min()) < 0):
+            raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
+                             f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
+    cache = Path(hidden_cache) if hidden_cache is not None else work / "hidden"
+    train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width, o.seed),
+                               cache, m.hidden_dtype, device, serving)
+    val_hs = load_or_compute(target_dir, validation_windows(data.validation, o.eval_windows, width),
+                             cache, m.hidden_dtype, device, serving)
+    del serving
+
+    target = load_model(target_dir, "float32", device)     # frozen: embeddings, norm, lm_head
+    torch.manual_seed(o.seed)
+    head = MTPHead(target.config, use_norms=m.use_norms).to(device)
+    init_weights(head, o.init_std)
+    decay = [p for p in head.parameters() if p.dim() >= 2]
+    no_decay = [p for p in head.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2))
+    step, wall, history, best = 0, 0.0, [], None
+    if state is not None:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, wall, history, best = state["step"], state["wall_time_s"], state["history"], state["best"]
+        log.info("resumed at step %d (%.0f s of training so far)", step, wall)
+    n_params = sum(p.numel() for p in head.parameters())
+    fingerprint = target_fingerprint(target_dir)
+    log.info("MTP head (norms %s): %.2fM params on target %s (%s); %d train windows x %d tokens, "
+             "%d validation windows; threads %d", m.use_norms, n_params / 1e6, target_dir,
+             fingerprint, len(train_hs), width, len(val_hs), torch.get_num_threads())
+
+    def summary() -> dict:
+        return {"params": n_params, "use_norms": m.use_norms, "step": step, "steps_planned": o.steps,
+                "train_tokens": len(train_hs) * width, "tokens_seen": step * o.batch_size * width,
+                "wall_time_s": round(wall, 1), "threads": torch.get_num_threads(), "seed": o.seed,
+                "device": device, "target": str(target_dir), "target_fingerprint": fingerprint,
+                "command": command, "best": best, "config": cfg.to_dict(), "history": history}
+
+    def export(dest: Path) -> None:
+        save_mtp_head(head, dest, torch.bfloat16,
+                      extra={"target_fingerprint": fingerprint, "training_step": step})
+        (dest / "training.json").write_text(json.dumps(summary(), indent=2) + "\n")
+
+    def save_state() -> None:
+        _atomic_save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(),
+                      "config": cfg.to_dict(), "wall_time_s": wall, "history": history,
+                      "best": best, "target_fingerprint": fingerprint}, state_path)
+        log.info("saved state at step %d", step)
+
+    if not history:     # the untrained head's figures, as a baseline
+        val = evaluate(head, target, val_hs, m, o.amp, o.batch_size)
+        history.append({"step": 0, "wall_time_s": 0.0,
+                        **{k: [round(x, 4) for x in v] for k, v in val.items()}})
+        log.info("step 0 val ce %s kl %s reg %s top1 %s", _fmt(val["ce"]), _fmt(val["kl"]),
+                 _fmt(val["reg"]), _fmt(val["top1"]))
+    with _StopFlag() as stop:
+        head.train()
+        end = o.steps if max_steps is None else min(o.steps, step + max_steps)
+        last_save, t_log, sums, n_log = time.monotonic(), time.monotonic(), None, 0
+        while step < end and not stop.set:
+            t0 = time.monotonic()
+            lr = lr_at(step, o)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            g = torch.Generator().manual_seed(o.seed * 1_000_003 + step)
+            idx = torch.randint(0, len(train_hs), (o.batch_size,), generator=g)
+            s = mtp_loss(head, target, train_hs.tokens[idx].to(device),
+                         train_hs.hidden[idx].to(device), m, o.amp)
+            s.loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), o.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            wall += time.monotonic() - t0
+            row = [s.loss.item(), s.kl[0], s.reg[0], s.top1[0]]
+            sums = row if sums is None else [a + x for a, x in zip(sums, row)]
+            n_log += 1
+            if step % o.log_every == 0 or step == end:
+                loss, kl, reg, top1 = (x / n_log for x in sums)
+                log.info("step %d/%d loss %.4f kl %.4f reg %.4f top1 %.3f lr %.2e gnorm %.2f "
+                         "%.0f tok/s", step, o.steps, loss, kl, reg, top1, lr, gnorm,
+                         n_log * o.batch_size * width / (time.monotonic() - t_log))
+                t_log, sums, n_log = time.monotonic(), None, 0
+            if step % o.eval_every == 0 or step == end:
+                t_eval = time.monotonic()
+                val = evaluate(head, target, val_hs, m, o.amp, o.batch_size)
+                history.append({"step": step, "wall_time_s": round(wall, 1),
+                                **{k: [round(x, 4) for x in v] for k, v in val.items()}})
+                log.info("step %d val ce %s kl %s reg %s top1 %s (eval %.1f s)", step,
+                         _fmt(val["ce"]), _fmt(val["kl"]), _fmt(val["reg"]), _fmt(val["top1"]),
+                         time.monotonic() - t_eval)
+                if best is None or val["top1"][0] >= best["top1"]:
+                    best = {"step": step, "top1": val["top1"][0], "kl": val["kl"][0]}
+                    export(work / "best")
+                t_log += time.monotonic() - t_eval
+            if time.monotonic() - last_save > o.save_every_minutes * 60:
+                save_state()
+                last_save = time.monotonic()
+    save_state()
+    result = summary()
+    if step >= o.steps and out_dir is not None:
+        out = Path(out_dir)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(work / "best", tmp)
+        (tmp / "training.json").write_text(json.dumps(result, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+        log.info("exported the head of step %d (validation top-1 %.3f) to %s",
+                 best["step"], best["top1"], out)
+    return result
+
+
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.4f}" for x in xs)

@@ -1,0 +1,122 @@
+"""``tandem train mtp`` and ``tandem train mtp-eval``: an MTP head for a target, and
+its acceptance measured through the engine. Registered by client/train.py.
+
+    tandem train mtp --target checkpoints/demo/target --data .cache/train/target/data \\
+        --out checkpoints/demo/mtp [--no-norms] [--config configs/mtp.json] [--device cuda]
+    tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \\
+        --mtp mtp=checkpoints/demo/mtp --mtp mtp_no_norms=.cache/train/mtp-no-norms/head
+
+``--data`` is a token cache from ``tandem train lm`` (a directory holding ``tokens.pt``,
+or the file), or a directory of Python sources to tokenize with the target's tokenizer;
+without it the standard-library corpus is tokenized with the target's tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.json"
+
+
+def add_subcommands(sub) -> None:
+    """Add ``mtp`` and ``mtp-eval`` to the ``tandem train`` subparsers."""
+    p = sub.add_parser("mtp", help="train an MTP head (EAGLE-style, norms re-introduced) for a "
+                                   "Llama-family HF target")
+    p.add_argument("--target", required=True, help="the target's HF checkpoint directory")
+    p.add_argument("--out", required=True, help="directory for the head (bf16 safetensors)")
+    p.add_argument("--data", default=None,
+                   help="tokens.pt (or a directory holding it) from `tandem train lm`, or a "
+                        "directory of .py sources; default: the stdlib corpus, tokenized with "
+                        "the target's tokenizer")
+    p.add_argument("--config", default=None,
+                   help=f"training config JSON (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
+    p.add_argument("--no-norms", action="store_true",
+                   help="the EAGLE-1 head without the re-introduced RMSNorms (for comparison)")
+    p.add_argument("--work-dir", default=None,
+                   help="state.pt, best/ and logs (default .cache/train/mtp[-no-norms])")
+    p.add_argument("--hidden-cache", default=".cache/train/mtp-hidden",
+                   help="where the target's hidden states are cached (shared by runs)")
+    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
+    p.add_argument("--restart", action="store_true",
+                   help="discard <work-dir>/state.pt and start over (e.g. for a new target)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps in this invocation (resume later)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
+    p.set_defaults(func=run_mtp)
+
+    e = sub.add_parser("mtp-eval", help="top-1 agreement and acceptance of a draft and MTP heads, "
+                                        "through the engine")
+    e.add_argument("--target", required=True)
+    e.add_argument("--draft", default=None, help="draft model checkpoint")
+    e.add_argument("--mtp", action="append", default=[], metavar="NAME=DIR",
+                   help="an MTP head to evaluate (repeatable), e.g. mtp=checkpoints/demo/mtp")
+    e.add_argument("--ks", default="1,2,3,4")
+    e.add_argument("--num-prompts", type=int, default=48, help="held-out prompts (balanced by kind)")
+    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--max-prompt-tokens", type=int, default=256)
+    e.add_argument("--prompts", default=None, help="prompts.json (default <target>/prompts.json)")
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--out", default=None, help="write the report as JSON here")
+    e.set_defaults(func=run_mtp_eval)
+
+
+def run_mtp(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.training.lm import setup_logging
+    from tandem.backends.training.mtp import MTPTrainConfig, load_token_streams, train_mtp
+
+    torch.set_num_threads(args.threads)
+    cfg = MTPTrainConfig.from_file(args.config or DEFAULT_CONFIG)
+    if args.no_norms:
+        cfg.mtp.use_norms = False
+    work = Path(args.work_dir or f".cache/train/mtp{'' if cfg.mtp.use_norms else '-no-norms'}")
+    if args.restart:
+        (work / "state.pt").unlink(missing_ok=True)
+    setup_logging(args.log or work / "train.log")
+    command = "tandem train mtp " + " ".join(
+        shlex.quote(a) for a in sys.argv[sys.argv.index("mtp") + 1:]) if "mtp" in sys.argv else None
+    data = load_token_streams(args.data, args.target, work)
+    result = train_mtp(cfg, args.target, data, work, args.out, device=args.device,
+                       resume=args.resume, max_steps=args.max_steps, command=command,
+                       hidden_cache=args.hidden_cache)
+    best = result["best"] or {}
+    print(f"step {result['step']}/{result['steps_planned']}  best validation top-1 "
+          f"{best.get('top1', float('nan')):.3f} at step {best.get('step')}  work dir {work}")
+    return 0
+
+
+def run_mtp_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.training.acceptance import evaluate_proposers, format_report
+    from tandem.backends.training.lm import setup_logging
+
+    torch.set_num_threads(args.threads)
+    setup_logging(None)
+    proposers = {}
+    if args.draft:
+        proposers["draft"] = ("draft_target", args.draft)
+    for spec in args.mtp:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).name, spec
+        proposers[name] = ("mtp", path)
+    if not proposers:
+        raise ValueError("mtp-eval: nothing to evaluate; pass --draft and/or --mtp NAME=DIR")
+    report = evaluate_proposers(args.target, proposers, tuple(map(int, args.ks.split(","))),
+                                args.num_prompts, args.new_tokens, args.max_prompt_tokens,
+                                args.dtype, args.device, args.prompts)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
