@@ -350,7 +350,7 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
                 history.append({"step": step, "train_loss": round(loss.item(), 4),
                                 "val_loss": round(val, 4), "wall_time_s": round(wall, 1)})
                 log.info("step %d val_loss %.4f (eval %.1f s)", step, val, time.monotonic() - t_eval)
-                if val <= min(h["val_loss"] for h in history):
+                if round(val, 4) <= min(h["val_loss"] for h in history):  # history holds rounded values
                     # the corpus is small and repeated: keep the best weights seen
                     export_checkpoint(model, data.tokenizer_dir, work / "best", ids, summary())
                 t_log += time.monotonic() - t_eval
