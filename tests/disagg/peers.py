@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import traceback
 
 from ..rdma import peers as rdma_peers
 from ..rdma.peers import Peer as _RdmaPeer, _ctx, pid, rx_reserve, rx_start, rx_stats  # noqa: F401
@@ -11,31 +10,15 @@ from ..rdma.peers import Peer as _RdmaPeer, _ctx, pid, rx_reserve, rx_start, rx_
 _state: dict = {}
 
 
-class Peer(_RdmaPeer):
-    """A spawned process that runs this module's functions on request."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_serve, args=(child,), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-
 def _serve(conn) -> None:
     import torch
     torch.set_num_threads(1)
-    while True:
-        try:
-            fn, args, kwargs = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send((True, globals()[fn](*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - reported to the test
-            conn.send((False, traceback.format_exc()))
-        if fn == "shutdown":
-            return
+    rdma_peers.serve_loop(conn, globals())
+
+
+class Peer(_RdmaPeer):
+    """A spawned process that runs this module's functions on request."""
+    serve = staticmethod(_serve)
 
 
 def shutdown() -> None:

@@ -56,7 +56,7 @@ class Peer:
     def __init__(self, name: str):
         self.name = name
         self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_serve, args=(child,), name=name, daemon=True)
+        self.proc = _ctx.Process(target=type(self).serve, args=(child,), name=name, daemon=True)
         self.proc.start()
         child.close()
 
@@ -100,20 +100,26 @@ class Peer:
         self.kill()
 
 
-def _serve(conn) -> None:
+def serve_loop(conn, namespace: dict) -> None:
+    """Run ``namespace[fn](*args, **kwargs)`` for each request on the pipe until shutdown."""
     while True:
         try:
             fn, args, kwargs = conn.recv()
         except EOFError:
             return
         try:
-            conn.send((True, globals()[fn](*args, **kwargs)))
+            conn.send((True, namespace[fn](*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the test
             conn.send((False, traceback.format_exc()))
         if fn == "shutdown":
             return
 
 
+def _serve(conn) -> None:
+    serve_loop(conn, globals())
+
+
+Peer.serve = staticmethod(_serve)
 _state: dict = {}
 
 
