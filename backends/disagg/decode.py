@@ -45,8 +45,18 @@ class SharedPoolTicket:
 
 
 def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_args) -> AsyncEngine:
-    """An :class:`AsyncEngine` whose target KV lives in ``pool`` (not started)."""
+    """An :class:`AsyncEngine` whose target KV (and with ``speculative`` in
+    ``engine_args`` the proposer's) lives in ``pool`` (not started)."""
     m = pool.model(TARGET)
     engine_args = {"page_size": m.page_size, "kv_layout": m.kv_layout, **engine_args}
+    spec = engine_args.get("speculative")
+    proposer_pool = None
+    if spec is not None and spec.enabled:
+        have = [x.name for x in pool.spec.models]
+        if spec.kv_name not in have:
+            raise ValueError(f"speculative method {spec.method!r} keeps its KV as "
+                             f"{spec.kv_name!r}; the shared pool holds {have}")
+        proposer_pool = pool.kv_page_pool(rank, spec.kv_name)
     return AsyncEngine(model_dir, kv_pool=pool.kv_page_pool(rank, TARGET),
-                       allocator=SharedPageAllocator(pool), **engine_args)
+                       allocator=SharedPageAllocator(pool), proposer_kv_pool=proposer_pool,
+                       **engine_args)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from tandem.rdma import ModelSpec, PoolSpec
 from tandem.rdma.plan import DTYPE_SIZES
 
+from ..engine.prefill_engine import TARGET  # the target model's KV in the pool
 from ..models.config import ModelConfig
+from ..speculative import SpeculativeConfig
 
-TARGET = "target"                 # the target model's KV in the pool
 CONTEXT = "penultimate_hidden"    # the one context blob: the prompt's last prefilled hidden state
 
 
@@ -20,12 +21,18 @@ def context_nbytes(model_dir: str, dtype: str) -> int:
 
 
 def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_layout: str,
-                     num_pages: int, num_slots: int = 256) -> PoolSpec:
-    """``name`` keys the shared-memory files: include model name, version and instance."""
-    cfg = ModelConfig.from_dir(model_dir)
-    target = ModelSpec(TARGET, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                       page_size, dtype, kv_layout)
-    return PoolSpec(name, (target,), num_pages, num_slots=num_slots,
+                     num_pages: int, num_slots: int = 256,
+                     speculative: SpeculativeConfig | None = None) -> PoolSpec:
+    """``name`` keys the shared-memory files: include model name, version and instance.
+    With speculation the proposer's KV (draft model or MTP head) sits next to the
+    target's under the same page ids, and one reservation carries both."""
+    def kv(kv_name, cfg):
+        return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                         page_size, dtype, kv_layout)
+    models = (kv(TARGET, ModelConfig.from_dir(model_dir)),)
+    if speculative is not None and speculative.enabled:
+        models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
+    return PoolSpec(name, models, num_pages, num_slots=num_slots,
                     context_bytes=context_nbytes(model_dir, dtype))
 
 

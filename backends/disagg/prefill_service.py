@@ -33,8 +33,11 @@ DoneCallback = Callable[[str | None], None]
 class PrefillService(PrefillHooks):
     def __init__(self, config: EngineConfig, sender_config: SenderConfig | None = None):
         self.engine = PrefillEngine.from_config(config, hooks=self)
-        self.sender = KVSender({TARGET: self.engine.pool}, config=sender_config,
-                               name="prefill-messenger")
+        pools = {TARGET: self.engine.pool}
+        if self.engine.proposer is not None:
+            pools[self.engine.proposer_name] = self.engine.proposer.pool
+        self.kv_names = list(pools)
+        self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
         self._transfers: dict[str, object] = {}
         self._inbox: deque = deque()
@@ -61,12 +64,13 @@ class PrefillService(PrefillHooks):
         if len(prompt_ids) - 1 != desc.num_tokens:
             raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
                              f"{len(prompt_ids)} tokens prefills {len(prompt_ids) - 1}")
-        if [m.name for m in desc.models] != [TARGET]:
-            raise ValueError(f"the reservation is for models {[m.name for m in desc.models]}; "
-                             f"this prefill serves [{TARGET!r}]")
+        if [m.name for m in desc.models] != self.kv_names:
+            raise ValueError(f"the reservation is for the KV of {[m.name for m in desc.models]}; "
+                             f"this prefill produces {self.kv_names} (do both sides speculate "
+                             f"alike?)")
         rid = f"prefill-{next(self._ids)}"
         with self._wake:
-            self._inbox.append(("add", rid, (desc, list(prompt_ids[:-1]), on_done)))
+            self._inbox.append(("add", rid, (desc, list(prompt_ids), on_done)))
             self._wake.notify()
         return rid
 
@@ -82,10 +86,10 @@ class PrefillService(PrefillHooks):
         self._transfers[req.request_id] = self.sender.begin(
             desc, req.pages, on_done=lambda t, rid=req.request_id: self._transfer_done(rid, t))
 
-    def before_forward(self, chunks):
+    def before_forward(self, chunks, model=TARGET):
         live = {self._transfers[r.request_id]: end for r, end in chunks}
         live = {t: end for t, end in live.items() if not t.done}   # failed ones: nothing to send
-        return self.sender.step(TARGET, live).layer_done if live else None
+        return self.sender.step(model, live).layer_done if live else None
 
     def on_prefilled(self, req: PrefillRequest) -> None:
         t = self._transfers[req.request_id]
@@ -114,9 +118,9 @@ class PrefillService(PrefillHooks):
                 for rid in [r.request_id for r in (*self.engine.waiting, *self.engine.running)]:
                     self._abort(rid, "prefill failed (see the server log)")
 
-    def _add(self, rid: str, desc, token_ids, on_done) -> None:
+    def _add(self, rid: str, desc, prompt_ids, on_done) -> None:
         try:
-            self.engine.add(rid, token_ids)
+            self.engine.add(rid, prompt_ids[:-1], last_token=prompt_ids[-1])
         except ValueError as e:
             return _call(on_done, str(e))
         self._jobs[rid] = (desc, on_done)

@@ -22,10 +22,13 @@ class AsyncEngine:
     engine thread for every delta, the last one with ``finished`` set.
     """
 
-    def __init__(self, model_dir: str, kv_pool=None, allocator=None, **engine_args):
+    def __init__(self, model_dir: str, kv_pool=None, allocator=None, proposer_kv_pool=None,
+                 **engine_args):
         """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...);
-        ``kv_pool`` and ``allocator`` put the KV on an external (shared) pool."""
-        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator)
+        ``kv_pool``, ``allocator`` (and ``proposer_kv_pool`` with speculation) put the KV
+        on an external (shared) pool."""
+        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator,
+                                proposer_kv_pool)
         self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
         self._callbacks: dict[str, OutputCallback] = {}
         self._inbox: deque = deque()

@@ -9,10 +9,9 @@ import torch
 
 from ..kv_cache import KV_LAYOUTS, KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
-from ..models.mtp import load_mtp_head
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
 from ..speculative import SpecDecodeMetrics, SpeculativeConfig
-from ..speculative.proposers import DraftModelProposer, MTPProposer, StepHidden
+from ..speculative.proposers import StepHidden, load_proposer_model, make_proposer
 from ..speculative.verification import verify_drafts
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardBatch, ModelRunner
@@ -76,9 +75,11 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_pool: KVPagePool | None = None,
-                 allocator: PageAllocator | None = None):
+                 allocator: PageAllocator | None = None,
+                 proposer_kv_pool: KVPagePool | None = None):
         """``kv_pool`` and ``allocator`` (both or neither) put the target's KV on an
-        external pool, e.g. the decode pool shared with the KV receiver."""
+        external pool, e.g. the decode pool shared with the KV receiver; with speculation
+        ``proposer_kv_pool`` holds the draft's (or MTP head's) KV there too."""
         config.validate()
         if (kv_pool is None) != (allocator is None):
             raise ValueError("kv_pool and allocator go together: pass both or neither")
@@ -93,9 +94,9 @@ class LLMEngine:
         spec = config.speculative or SpeculativeConfig()
         if kv_pool is not None:
             check_pool_fits(kv_pool, cfg, dtype, config)
-            if spec.enabled:
-                raise ValueError("speculative decoding on an external KV pool is not supported "
-                                 "yet (the draft KV would have to live there too)")
+            if spec.enabled and proposer_kv_pool is None:
+                raise ValueError("speculative decoding on an external KV pool needs "
+                                 "proposer_kv_pool: the draft KV lives next to the target's")
             num_pages, self.allocator, self.pool = kv_pool.num_pages, allocator, kv_pool
         else:
             num_pages = config.num_pages or self._default_num_pages(dtype)
@@ -103,7 +104,7 @@ class LLMEngine:
             self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
                                    page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
-        self.proposer = self._make_proposer(spec, num_pages, dtype)
+        self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
         # with speculation a decode step writes k drafts past the scheduled token
         self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
@@ -115,21 +116,23 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
-    def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype):
+    def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype,
+                       pool: KVPagePool | None):
         """Draft KV pages share the target's page ids: one allocation serves both models."""
+        if not spec.enabled:
+            return None
         c = self.config
-        pool = lambda cfg: KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
-                                      c.page_size, cfg.head_dim, dtype, c.kv_layout, c.device)
-        if spec.method == "draft_target":
-            draft = load_model(spec.draft_model, c.dtype, c.device)
-            if draft.config.vocab_size != self.model.config.vocab_size:
-                raise ValueError(f"draft_model: vocab_size {draft.config.vocab_size} differs from "
-                                 f"the target's {self.model.config.vocab_size}")
-            return DraftModelProposer(draft, pool(draft.config))
-        if spec.method == "mtp":
-            head = load_mtp_head(spec.mtp_head, self.model)
-            return MTPProposer(head, self.model, pool(head.config))
-        return None
+        model = load_proposer_model(spec, self.model, c.dtype, c.device)
+        if pool is None:
+            pool = KVPagePool(model.config.num_hidden_layers, num_pages,
+                              model.config.num_key_value_heads, c.page_size, model.config.head_dim,
+                              dtype, c.kv_layout, c.device)
+        else:
+            check_pool_fits(pool, model.config, dtype, c)
+            if pool.num_pages != num_pages:
+                raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
+                                 f"{num_pages}: they share page ids")
+        return make_proposer(model, self.model, pool)
 
     def _default_num_pages(self, dtype) -> int:
         cfg, c = self.model.config, self.config
@@ -195,8 +198,9 @@ class LLMEngine:
     def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
         """Admit ``seq`` whose first ``n - 1`` prompt tokens' KV already sits in ``pages``
         (this engine's allocator owns them now): its first step runs the last prompt
-        token as a decode token and samples the first output token. If the sequence is
-        ever preempted, the engine recomputes its prompt itself."""
+        token as a decode token and samples the first output token. With speculation the
+        pages hold the proposer's KV of those tokens too. If the sequence is ever
+        preempted, the engine recomputes its prompt itself."""
         n = len(seq.prompt_ids)
         if seq.output_ids or seq.num_computed or seq.pages:
             raise ValueError(f"request {seq.request_id!r} is not a fresh sequence")
@@ -204,6 +208,9 @@ class LLMEngine:
             raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected "
                              f"{pages_needed(n - 1, self.config.page_size)}")
         seq.pages, seq.num_computed = list(pages), n - 1
+        if self.proposer is not None:
+            # the prefill filled the proposer's KV for the same tokens (its rows 0..n-2)
+            seq.draft_computed = n - 1
         self.add(seq)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:

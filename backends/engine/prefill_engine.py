@@ -9,6 +9,10 @@ callback that lets a messenger push a layer's pages while later layers compute);
 a finished prefill keeps its pages until :meth:`PrefillEngine.release` (after its
 transfer completed), and exposes the final hidden state of its last token.
 
+With speculation the engine also fills the proposer's KV (draft model or MTP head) for
+every chunk right after the target's forward — same page ids, its own pool — and
+announces that forward to the hooks under the proposer's KV name.
+
 >>> eng = PrefillEngine.from_config(EngineConfig("checkpoints/demo/target"))  # doctest: +SKIP
 >>> eng.add("r0", [1, 2, 3, 4])                                               # doctest: +SKIP
 >>> done = eng.step()            # one chunked-prefill forward; finished ones  # doctest: +SKIP
@@ -24,16 +28,19 @@ import torch
 
 from ..kv_cache import KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
+from ..speculative.proposers import ProposerPrefill, load_proposer_model
 from .llm_engine import DEFAULT_KV_CACHE_BYTES
 from .model_runner import ForwardBatch, ModelRunner
 
 LayerCallback = Callable[[int], None]
+TARGET = "target"     # the target model's KV, as the hooks and a KV transfer name it
 
 
 @dataclass(slots=True, eq=False)
 class PrefillRequest:
     request_id: str
     token_ids: list[int]              # prompt[:-1]: the KV this prefill produces
+    last_token: int | None = None     # prompt[-1]: the MTP head's last row reads it
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     hidden: torch.Tensor | None = None   # pre-norm hidden state of the last token, when done
@@ -49,9 +56,11 @@ class PrefillHooks:
     def on_admit(self, req: PrefillRequest) -> None:
         """Pages were allocated for ``req`` (``req.pages``, in sequence order)."""
 
-    def before_forward(self, chunks: list[tuple[PrefillRequest, int]]) -> LayerCallback | None:
-        """A forward computes each request's tokens up to ``end`` (exclusive);
-        the returned callable is told after each layer."""
+    def before_forward(self, chunks: list[tuple[PrefillRequest, int]],
+                       model: str = TARGET) -> LayerCallback | None:
+        """A forward of ``model`` (the target, or the proposer's KV name) computes each
+        request's tokens up to ``end`` (exclusive); the returned callable is told after
+        each layer."""
         return None
 
     def on_prefilled(self, req: PrefillRequest) -> None:
@@ -61,8 +70,11 @@ class PrefillHooks:
 class PrefillEngine:
     def __init__(self, model, pool: KVPagePool, allocator: PageAllocator,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 hooks: PrefillHooks | None = None):
+                 hooks: PrefillHooks | None = None,
+                 proposer: tuple[str, ProposerPrefill] | None = None):
+        """``proposer``: (its KV name, the filler of its KV) with speculation."""
         self.model, self.pool, self.allocator = model, pool, allocator
+        self.proposer_name, self.proposer = proposer or (None, None)
         self.runner = ModelRunner(model, pool)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.hooks = hooks or PrefillHooks()
@@ -72,7 +84,8 @@ class PrefillEngine:
 
     @classmethod
     def from_config(cls, config, hooks: PrefillHooks | None = None) -> "PrefillEngine":
-        """Build from an :class:`~.llm_engine.EngineConfig` (speculation is not used)."""
+        """Build from an :class:`~.llm_engine.EngineConfig`; with ``config.speculative``
+        the proposer's KV is filled as well."""
         config.validate()
         model = load_model(config.model_dir, config.dtype, config.device)
         cfg, dtype = model.config, model.embed_tokens.weight.dtype
@@ -81,13 +94,21 @@ class PrefillEngine:
         useful = config.max_num_seqs * pages_needed(
             config.max_model_len or cfg.max_position_embeddings, config.page_size)
         num_pages = config.num_pages or max(1, min(DEFAULT_KV_CACHE_BYTES // page_bytes, useful))
-        pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
-                          config.page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
-        return cls(model, pool, PageAllocator(num_pages), config.max_num_batched_tokens,
-                   config.max_num_seqs, hooks)
+        def pool(c):
+            return KVPagePool(c.num_hidden_layers, num_pages, c.num_key_value_heads,
+                              config.page_size, c.head_dim, dtype, config.kv_layout, config.device)
+        proposer, spec = None, config.speculative
+        if spec is not None and spec.enabled:
+            p = load_proposer_model(spec, model, config.dtype, config.device)
+            proposer = (spec.kv_name, ProposerPrefill(p, model, pool(p.config)))
+        return cls(model, pool(cfg), PageAllocator(num_pages), config.max_num_batched_tokens,
+                   config.max_num_seqs, hooks, proposer)
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, request_id: str, token_ids: list[int]) -> PrefillRequest:
+    def add(self, request_id: str, token_ids: list[int],
+            last_token: int | None = None) -> PrefillRequest:
+        """Prefill ``token_ids`` (a prompt without its last token, ``last_token``, which
+        the MTP head's last row needs)."""
         if not token_ids:
             raise ValueError("nothing to prefill: a one-token prompt goes straight to decode")
         if self._find(request_id) is not None:
@@ -96,7 +117,9 @@ class PrefillEngine:
         if need > self.allocator.num_pages:
             raise ValueError(f"prefill of {len(token_ids)} tokens needs {need} KV pages, the "
                              f"prefill pool has {self.allocator.num_pages}")
-        req = PrefillRequest(request_id, list(token_ids))
+        if last_token is None and self.proposer is not None and self.proposer.reads_next_token:
+            raise ValueError("the MTP head's KV needs the prompt's last token (last_token)")
+        req = PrefillRequest(request_id, list(token_ids), last_token)
         self.waiting.append(req)
         return req
 
@@ -137,6 +160,11 @@ class PrefillEngine:
         batch = ForwardBatch([r.token_ids[r.num_computed:end] for r, end in chunks],
                              [r.num_computed for r, _ in chunks], [r.pages for r, _ in chunks])
         inputs, hidden = self.runner.forward(batch, on_layer_done=on_layer_done)
+        if self.proposer is not None:
+            next_ids = ([_shifted(r, end) for r, end in chunks]
+                        if self.proposer.reads_next_token else None)
+            self.proposer.run(batch, next_ids, hidden,
+                              self.hooks.before_forward(chunks, self.proposer_name))
         last = inputs.last_rows.tolist()
         done = []
         for i, (req, end) in enumerate(chunks):
@@ -169,3 +197,11 @@ class PrefillEngine:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+
+
+def _shifted(req: PrefillRequest, end: int) -> list[int]:
+    """The chunk's tokens one ahead (t_{i+1} for row i), as the MTP head reads them."""
+    nxt = req.token_ids[req.num_computed + 1:end + 1]
+    if end == len(req.token_ids):
+        nxt.append(req.last_token)
+    return nxt

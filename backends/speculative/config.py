@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("draft_target", "mtp")
+KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,6 +21,23 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def kv_name(self) -> str | None:
+        """The proposer's KV as a KV transfer names it (next to the target's)."""
+        return KV_NAMES.get(self.method)
+
+    def kv_config(self, target_dir: str):
+        """The proposer's KV geometry (a ModelConfig), read without loading weights:
+        the draft's own config, or the target's with the MTP head's single layer."""
+        import dataclasses
+
+        from ..models.config import ModelConfig
+        if self.method == "draft_target":
+            return ModelConfig.from_dir(self.draft_model)
+        if self.method == "mtp":
+            return dataclasses.replace(ModelConfig.from_dir(target_dir), num_hidden_layers=1)
+        return None
 
     def validate(self) -> None:
         if self.method is None:

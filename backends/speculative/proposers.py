@@ -14,11 +14,32 @@ import torch
 from ..engine.model_runner import ForwardBatch, ModelRunner
 from ..engine.sequence import Sequence
 from ..kv_cache import KVPagePool
-from ..models import LlamaForCausalLM
-from ..models.mtp import MTPHead
+from ..models import LlamaForCausalLM, load_model
+from ..models.mtp import MTPHead, load_mtp_head
+from .config import SpeculativeConfig
 
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]
+
+
+def load_proposer_model(spec: SpeculativeConfig, target: LlamaForCausalLM, dtype: str,
+                        device: str) -> LlamaForCausalLM | MTPHead:
+    """The draft model or the MTP head ``spec`` names, checked against ``target``."""
+    if spec.method == "draft_target":
+        draft = load_model(spec.draft_model, dtype, device)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft_model: vocab_size {draft.config.vocab_size} differs from "
+                             f"the target's {target.config.vocab_size}")
+        return draft
+    if spec.method == "mtp":
+        return load_mtp_head(spec.mtp_head, target)
+    raise ValueError(f"no proposer model for speculative method {spec.method!r}")
+
+
+def make_proposer(model: LlamaForCausalLM | MTPHead, target: LlamaForCausalLM, pool: KVPagePool):
+    if isinstance(model, MTPHead):
+        return MTPProposer(model, target, pool)
+    return DraftModelProposer(model, pool)
 
 
 class DraftModelProposer:
@@ -137,3 +158,36 @@ class MTPProposer:
         for i, s in enumerate(seqs):
             s.draft_computed = s.num_computed
             s.draft_logits, s.draft_hidden = logits[i], g[last[i]]
+
+
+class ProposerPrefill:
+    """The prefill side of disaggregated speculation: fills the proposer's KV for the
+    chunk the target just computed, so that the decoder can speculate from its first
+    step without running a prefill of its own (the KV travels with the target's)."""
+
+    def __init__(self, model: LlamaForCausalLM | MTPHead, target: LlamaForCausalLM,
+                 pool: KVPagePool):
+        self.model, self.target = model, target
+        self.runner = ModelRunner(model, pool)
+
+    @property
+    def pool(self) -> KVPagePool:
+        return self.runner.pool
+
+    @property
+    def reads_next_token(self) -> bool:
+        """The MTP head's row i reads t_{i+1}: its chunks need the tokens one ahead."""
+        return isinstance(self.model, MTPHead)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch, next_ids: list[list[int]] | None, target_hidden: torch.Tensor,
+            on_layer_done=None) -> None:
+        """``batch``: the target's chunks; ``next_ids``: each chunk's tokens shifted left by
+        one (the MTP head's row i reads t_{i+1}); ``target_hidden``: the target's pre-norm
+        hidden rows of ``batch``."""
+        if isinstance(self.model, MTPHead):
+            shifted = ForwardBatch(next_ids, batch.starts, batch.page_lists)
+            inputs, attn = self.runner.attention(shifted, on_layer_done)
+            self.model(self.target, inputs.input_ids, target_hidden, inputs.positions, attn)
+        else:
+            self.runner.forward(batch, on_layer_done)

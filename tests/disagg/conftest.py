@@ -41,11 +41,12 @@ def make_decode_pool():
     from tandem.rdma import SharedKVPool
     pools = []
 
-    def make(model_dir, dtype="float32", page_size=4, kv_layout="HND", num_pages=64):
+    def make(model_dir, dtype="float32", page_size=4, kv_layout="HND", num_pages=64,
+             speculative=None):
         name = f"tkv-disagg-{os.getpid()}-{next(_names)}"
         SharedKVPool.unlink_stale(name)
         pool = SharedKVPool.create(decode_pool_spec(name, str(model_dir), dtype, page_size,
-                                                    kv_layout, num_pages))
+                                                    kv_layout, num_pages, speculative=speculative))
         pools.append(pool)
         return pool
 

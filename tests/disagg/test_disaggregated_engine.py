@@ -148,3 +148,120 @@ def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, 
     finally:
         engine.shutdown()
     assert pool.stats().free == start.free and pool.stats().slots_active == 0
+
+
+@pytest.fixture(scope="module")
+def random_mtp_head(demo_checkpoint, tmp_path_factory):
+    from tandem.backends.models import load_model
+    from tandem.backends.models.mtp import MTPHead, save_mtp_head
+    out = tmp_path_factory.mktemp("mtp") / "random-mtp"
+    torch.manual_seed(5)
+    save_mtp_head(MTPHead(load_model(str(demo_checkpoint)).config), out, torch.float32)
+    return out
+
+
+def _speculative(method, demo_checkpoint, random_mtp_head):
+    from tandem.backends.speculative import SpeculativeConfig
+    if method == "draft_target":   # self-speculation: any wrong draft KV shows as rejections
+        return SpeculativeConfig("draft_target", 3, draft_model=str(demo_checkpoint))
+    return SpeculativeConfig("mtp", 3, mtp_head=str(random_mtp_head))
+
+
+@pytest.mark.parametrize("method", ["draft_target", "mtp"])
+def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, random_mtp_head,
+                                                   make_decode_pool, rx_peer, prefill_peer,
+                                                   method):
+    """The prefill fills the proposer's KV too and it travels in the same reservation:
+    the decoder speculates from its first step and its greedy output equals plain
+    decoding (self-speculation accepting every draft shows the draft KV arrived intact)."""
+    expected, ref = colocated
+    model_dir, spec = str(demo_checkpoint), _speculative(method, demo_checkpoint, random_mtp_head)
+    co = LLM(model_dir, page_size=4, speculative=spec)
+    assert [o.token_ids for o in co.generate(PROMPTS, GREEDY)] == expected
+    co_metrics = co.engine.spec_metrics
+    del co
+
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, speculative=spec)
+    assert [m.name for m in pool.spec.models] == ["target", spec.kv_name]
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8,
+                 num_pages=32, speculative=spec)
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64,
+                           speculative=spec)
+    engine.start()
+    try:
+        ids = [ref.tokenize(p) for p in PROMPTS]
+        ctx = context_nbytes(model_dir, "float32")
+        descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
+        tokens = {i: [] for i in range(len(ids))}
+        finished = threading.Semaphore(0)
+
+        def collect(i):
+            def on_output(out):
+                tokens[i].extend(out.new_token_ids)
+                if out.finished:
+                    finished.release()
+            return on_output
+        for i, (t, d) in enumerate(zip(ids, descs)):
+            d = DestinationDescriptor.from_bytes(d)
+            engine.submit_prefilled(t, GREEDY, SharedPoolTicket(pool, d.slot, d.generation),
+                                    collect(i))
+        assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
+        for _ in ids:
+            assert finished.acquire(timeout=60)
+        assert [tokens[i] for i in range(len(ids))] == expected
+        m = engine.engine.spec_metrics
+        assert m.num_drafts > 0
+        if method == "draft_target":
+            assert m.acceptance_rate == 1.0 == co_metrics.acceptance_rate
+    finally:
+        engine.shutdown()
+    assert pool.stats() == start
+
+
+def test_prefill_refuses_a_reservation_without_the_proposers_kv(demo_checkpoint, random_mtp_head):
+    """Both sides must speculate alike: a plain reservation cannot feed an MTP prefill."""
+    from tandem.backends.disagg import PrefillService, decode_pool_spec
+    from tandem.rdma.descriptor import DestinationDescriptor as Desc
+    spec = _speculative("mtp", demo_checkpoint, random_mtp_head)
+    svc = PrefillService(EngineConfig(str(demo_checkpoint), page_size=4, num_pages=8,
+                                      speculative=spec))
+    try:
+        plain = decode_pool_spec("unused", str(demo_checkpoint), "float32", 4, "HND", 8)
+        desc = Desc(b"addr", 0, 1, 3, (0,), plain.models, plain.scheme, plain.scheme, 1, (), 0)
+        with pytest.raises(ValueError, match="do both sides speculate alike"):
+            svc.submit(desc, [1, 2, 3, 4], lambda e: None)
+    finally:
+        svc.shutdown()
+
+
+def _token_kv(pool, pages, n):
+    """[layers, 2, n, heads, head_dim]: the KV of a sequence's first n tokens (HND pool)."""
+    kv = pool.kv[:, pages]                           # [L, pages, 2, H, page_size, D]
+    kv = kv.permute(0, 2, 1, 4, 3, 5)                # [L, 2, pages, page_size, H, D]
+    return kv.reshape(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, :n]
+
+
+@pytest.mark.parametrize("method", ["draft_target", "mtp"])
+def test_prefill_fills_the_proposers_kv_as_a_colocated_engine_does(
+        demo_checkpoint, random_mtp_head, colocated, method):
+    """The proposer's KV that the prefill computes chunk by chunk (the MTP head reading
+    the tokens one ahead) equals what the colocated engine's proposer caches."""
+    _, ref = colocated
+    model_dir, spec = str(demo_checkpoint), _speculative(method, demo_checkpoint, random_mtp_head)
+    prefill = PrefillEngine.from_config(EngineConfig(model_dir, page_size=4, num_pages=32,
+                                                     max_num_batched_tokens=5, speculative=spec))
+    co = LLMEngine(EngineConfig(model_dir, page_size=4, speculative=spec))
+    ids = ref.tokenize(PROMPTS[1])
+    prefill.add("p", ids[:-1], last_token=ids[-1])
+    while prefill.has_work():
+        prefill.step()
+    co.add_request(ids, GREEDY, request_id="c")
+    co.step()                         # prefill, then the proposer catches up past the prompt
+    seq, n = co.seqs["c"], len(ids) - 1
+    assert seq.draft_computed >= n
+    got = _token_kv(prefill.proposer.pool, prefill.finished["p"].pages, n)
+    want = _token_kv(co.proposer.runner.pool, seq.pages, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    prefill.release("p")
