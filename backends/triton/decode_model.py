@@ -18,14 +18,11 @@ class TritonPythonModel(_StreamingModel):
     def _make_engine(self, s):
         from tandem.backends.disagg import decode_engine, open_or_create
 
-        if s.spec_method != "none":
-            raise pb_utils.TritonModelException(
-                "decode: speculative decoding is not supported on the disaggregated path yet; "
-                "set spec_method to none")
         self.pool = open_or_create(pool_spec(s))
         return decode_engine(self.pool, s.model_dir, dtype=s.dtype,
                              max_num_seqs=s.max_num_seqs,
-                             max_num_batched_tokens=s.max_num_batched_tokens)
+                             max_num_batched_tokens=s.max_num_batched_tokens,
+                             speculative=s.speculative())
 
     def _submit(self, request, parsed, on_output) -> str:
         from tandem.backends.disagg import SharedPoolTicket

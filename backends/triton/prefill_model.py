@@ -25,9 +25,10 @@ class TritonPythonModel:
 
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         torch.set_num_threads(s.threads)
+        # with speculation the prefill fills the proposer's KV too (the decoder expects it)
         self.service = PrefillService(EngineConfig(
             s.model_dir, s.dtype, s.page_size, s.kv_layout, None, s.max_num_seqs,
-            s.max_num_batched_tokens))
+            s.max_num_batched_tokens, speculative=s.speculative()))
         self.service.start()
 
     def execute(self, requests):
