@@ -57,6 +57,9 @@ FAILURE_REASONS = {
     OWNER_DIED: "the process holding the reservation died",
     CANCELLED: "the reservation was cancelled",
 }
+# short names, for metric labels and logs
+FAILURE_CODES = {OK: "ok", TIMEOUT: "timeout", SENDER_ERROR: "sender_error",
+                 UNCLAIMED: "unclaimed", OWNER_DIED: "owner_died", CANCELLED: "cancelled"}
 
 
 class PoolError(RuntimeError):
@@ -116,6 +119,10 @@ class SlotStatus:
     @property
     def reason(self) -> str:
         return FAILURE_REASONS.get(self.error, f"error {self.error}")
+
+    @property
+    def reason_code(self) -> str:
+        return FAILURE_CODES.get(self.error, f"error_{self.error}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,13 @@ class SharedPoolTicket:
         st = self.pool.poll(self.slot, self.generation)
         if st.failed:
             raise KVTransferFailed(f"KV transfer for reservation {self.slot}/{self.generation} "
-                                   f"failed: {st.reason}")
+                                   f"failed: {st.reason}", st.reason_code)
         if not st.ready:
             return None
         try:
             return self.pool.claim(self.slot, self.generation)
         except ReservationGone as e:
-            raise KVTransferFailed(str(e)) from None
+            raise KVTransferFailed(str(e), "gone") from None
 
     def cancel(self) -> None:
         # Pages with receives still in flight are the receiver's to free: leave an

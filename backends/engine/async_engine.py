@@ -104,7 +104,8 @@ class AsyncEngine:
             except ValueError:
                 log.exception("request %s: the transferred KV cannot be admitted", seq.request_id)
                 self.engine.allocator.free(pages)
-                out = RequestOutput(seq.request_id, [], "", True, "error", len(seq.prompt_ids), 0)
+                out = RequestOutput(seq.request_id, [], "", True, "error", len(seq.prompt_ids), 0,
+                                    "the transferred KV could not be admitted (see the server log)")
                 aborted.append((self._callbacks.pop(seq.request_id), out))
         for out in self._pending.take_failed():
             aborted.append((self._callbacks.pop(out.request_id), out))
@@ -126,7 +127,7 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the running requests")
                 outputs = [self.engine.abort(rid) for rid in list(self.engine.seqs)]
                 for o in outputs:
-                    o.finish_reason = "error"
+                    o.finish_reason, o.error = "error", "the engine step failed; request aborted"
             for out in outputs:
                 cb = self._callbacks.pop(out.request_id) if out.finished \
                     else self._callbacks[out.request_id]

@@ -30,9 +30,10 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None       # "stop" | "length" | "abort"
+    finish_reason: str | None       # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None        # with "error": what went wrong, for the client
 
 
 def check_pool_fits(pool: KVPagePool, cfg, dtype, config: "EngineConfig") -> None:

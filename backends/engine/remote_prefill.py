@@ -17,7 +17,12 @@ log = logging.getLogger(__name__)
 
 
 class KVTransferFailed(RuntimeError):
-    """The prompt KV will not arrive (prefill died, timed out, or was reclaimed)."""
+    """The prompt KV will not arrive (prefill died, timed out, or was reclaimed);
+    ``reason`` is a short code for metrics (timeout, sender_error, gone, ...)."""
+
+    def __init__(self, message: str, reason: str = "failed"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class KVTicket(Protocol):
@@ -37,6 +42,7 @@ class PendingPrefills:
     def __init__(self):
         self._waiting: dict[str, tuple[Sequence, KVTicket]] = {}
         self._failed: list[RequestOutput] = []
+        self.failures: dict[str, int] = {}   # failed transfers by reason, since start
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
@@ -57,7 +63,8 @@ class PendingPrefills:
             except KVTransferFailed as e:
                 log.warning("request %s: %s", rid, e)
                 del self._waiting[rid]
-                self._failed.append(_ended(seq, "error"))
+                self.failures[e.reason] = self.failures.get(e.reason, 0) + 1
+                self._failed.append(_ended(seq, "error", error=str(e)))
                 continue
             if pages is not None:
                 del self._waiting[rid]
@@ -77,5 +84,5 @@ class PendingPrefills:
         return _ended(seq, "abort")
 
 
-def _ended(seq: Sequence, reason: str) -> RequestOutput:
-    return RequestOutput(seq.request_id, [], "", True, reason, len(seq.prompt_ids), 0)
+def _ended(seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+    return RequestOutput(seq.request_id, [], "", True, reason, len(seq.prompt_ids), 0, error)

@@ -133,10 +133,12 @@ def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, 
         ended = {}
         events = {k: threading.Event() for k in ("remote", "local")}
 
+        errors = {}
+
         def on(key):
             def cb(out):
                 if out.finished:
-                    ended[key] = out.finish_reason
+                    ended[key], errors[key] = out.finish_reason, out.error
                     events[key].set()
             return cb
         engine.submit_prefilled(list(range(3, 11)), GREEDY,
@@ -145,6 +147,8 @@ def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, 
         assert events["local"].wait(30) and ended["local"] == "length"
         assert not events["remote"].is_set()          # still waiting for its KV
         assert events["remote"].wait(30) and ended["remote"] == "error"
+        assert "no KV arrived within the transfer timeout" in errors["remote"]
+        assert engine._pending.failures == {"timeout": 1}
     finally:
         engine.shutdown()
     assert pool.stats().free == start.free and pool.stats().slots_active == 0
