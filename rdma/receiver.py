@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -122,8 +123,12 @@ class KVReceiver:
     """
 
     def __init__(self, pool: SharedKVPool, config: ReceiverConfig | None = None,
-                 name: str = "kv-receiver"):
+                 name: str = "kv-receiver",
+                 on_ready: Callable[[TransferTrace], None] | None = None):
+        """``on_ready(trace)`` runs on the transport thread when a reservation's KV has
+        all arrived (for metrics: keep it short)."""
         self.pool, self.config = pool, config or ReceiverConfig()
+        self._on_ready = on_ready
         self.stats = ReceiverStats()
         self._live: dict[int, _Reservation] = {}
         self._draining: list[_Reservation] = []
@@ -264,6 +269,11 @@ class KVReceiver:
             if self.pool.mark_ready(r.slot, r.gen, self.config.claim_lease_s):
                 r.trace.ready_at = now
                 self.stats.ready += 1
+                if self._on_ready is not None:
+                    try:
+                        self._on_ready(r.trace)
+                    except Exception:
+                        log.exception("on_ready callback failed")
 
     def _fail(self, r: _Reservation, reason: int) -> None:
         """Stop accepting messages for ``r``; free its pages once no receive is in flight."""

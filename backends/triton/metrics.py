@@ -1,0 +1,213 @@
+"""Tandem's custom metrics on Triton's metrics port, through the Python backend's
+``MetricFamily`` API (every family carries the labels ``model`` and ``version``).
+
+Engine models (``llm``, ``decode``):
+
+=============================================  =========  =============================================
+tandem_time_to_first_token_seconds             histogram  request received by the model -> first token
+tandem_inter_token_latency_seconds             histogram  between token-carrying responses of a stream
+tandem_prompt_tokens_total                     counter    prompt tokens of finished requests
+tandem_generation_tokens_total                 counter    tokens generated
+tandem_requests_in_engine                      gauge      submitted and not yet finished
+tandem_requests_finished_total{reason}         counter    stop, length, abort, error, rejected
+tandem_spec_drafts_total                       counter    verification rounds (one per sequence and step)
+tandem_spec_draft_tokens_total                 counter    draft tokens proposed
+tandem_spec_accepted_tokens_total              counter    draft tokens accepted
+tandem_spec_acceptance_rate                    gauge      accepted / draft tokens, since start
+tandem_spec_mean_acceptance_length             gauge      1 + accepted / drafts, since start
+tandem_kv_pages{state}                         gauge      free, reserved, in_use
+tandem_kv_reservations_reclaimed_total         counter    reservations failed or reclaimed (shared pool)
+tandem_kv_transfer_failures_total{reason}      counter    requests whose KV never arrived, by reason
+=============================================  =========  =============================================
+
+``kv_transfer``: ``tandem_kv_received_bytes_total``, ``tandem_kv_reservations_total``,
+``tandem_kv_transfer_seconds`` (histogram: reservation -> all KV arrived).
+
+Polled values (engine counters, pool pages) are refreshed by a :class:`Poller` thread;
+per-request values are recorded as they happen.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import triton_python_backend_utils as pb_utils
+
+from .latency import Deltas, StreamClock
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
+PAGE_STATES = ("free", "reserved", "in_use")
+
+_KINDS = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+          "histogram": pb_utils.MetricFamily.HISTOGRAM}
+
+
+class _Registry:
+    """Families and their metrics, created once; the families must stay referenced
+    for their metrics to live, and both must be dropped (:meth:`close`) while the
+    stub can still talk to the server."""
+
+    def __init__(self, model: str, version: str):
+        self.labels = {"model": model, "version": version}
+        self._families: dict[str, object] = {}
+        self._metrics: dict[tuple, object] = {}
+
+    def metric(self, name: str, kind: str, description: str, buckets=None, **labels):
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = pb_utils.MetricFamily(
+                name=name, description=description, kind=_KINDS[kind])
+        key = (name, tuple(sorted(labels.items())))
+        m = self._metrics.get(key)
+        if m is None:
+            all_labels = {**self.labels, **labels}
+            m = family.Metric(labels=all_labels, buckets=buckets) if buckets is not None \
+                else family.Metric(labels=all_labels)
+            self._metrics[key] = m
+        return m
+
+    def close(self) -> None:
+        self._metrics.clear()
+        self._families.clear()
+
+
+class EngineMetrics:
+    """What the ``llm`` and ``decode`` models record about requests and the engine."""
+
+    def __init__(self, model: str, version: str):
+        r = self._r = _Registry(model, version)
+        self.ttft = r.metric("tandem_time_to_first_token_seconds", "histogram",
+                             "time from the model receiving a request to its first token",
+                             TTFT_BUCKETS)
+        self.itl = r.metric("tandem_inter_token_latency_seconds", "histogram",
+                            "time between consecutive token-carrying responses of a stream",
+                            ITL_BUCKETS)
+        self.prompt_tokens = r.metric("tandem_prompt_tokens_total", "counter",
+                                      "prompt tokens of finished requests")
+        self.generation_tokens = r.metric("tandem_generation_tokens_total", "counter",
+                                          "tokens generated")
+        self.in_engine = r.metric("tandem_requests_in_engine", "gauge",
+                                  "requests submitted to the engine and not yet finished by it")
+        self.finished = {reason: r.metric("tandem_requests_finished_total", "counter",
+                                          "requests ended, by finish reason (rejected: invalid "
+                                          "input)", reason=reason)
+                         for reason in FINISH_REASONS}
+        self._deltas = Deltas()
+
+    # -- per request (any thread) -------------------------------------------------------
+    def submitted(self) -> StreamClock:
+        self.in_engine.increment(1)
+        return StreamClock()
+
+    def not_submitted(self) -> None:
+        self.in_engine.increment(-1)
+
+    def output(self, clock: StreamClock, out) -> None:
+        """One engine ``RequestOutput`` of a stream."""
+        n = len(out.new_token_ids)
+        ttft, itl = clock.tokens(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+        if n:
+            self.generation_tokens.increment(n)
+        if out.finished:
+            self.in_engine.increment(-1)
+            self.prompt_tokens.increment(out.num_prompt_tokens)
+            self.finish(out.finish_reason or "stop")
+
+    def finish(self, reason: str) -> None:
+        metric = self.finished.get(reason)
+        if metric is not None:
+            metric.increment(1)
+
+    # -- polled (the poller thread) -----------------------------------------------------
+    def poll_engine(self, engine, pool=None, failures: dict | None = None) -> None:
+        """Refresh from an ``LLMEngine`` (speculation counters, pages) and, on the
+        disaggregated path, the shared pool and the transfer failures by reason."""
+        r, d = self._r, self._deltas
+        m = engine.spec_metrics
+        if engine.proposer is not None:
+            for name, total, what in (
+                    ("tandem_spec_drafts_total", m.num_drafts, "verification rounds"),
+                    ("tandem_spec_draft_tokens_total", m.num_draft_tokens, "draft tokens proposed"),
+                    ("tandem_spec_accepted_tokens_total", m.num_accepted_tokens,
+                     "draft tokens accepted")):
+                r.metric(name, "counter", what).increment(d.take(name, total))
+            r.metric("tandem_spec_acceptance_rate", "gauge",
+                     "accepted / proposed draft tokens since start").set(m.acceptance_rate)
+            r.metric("tandem_spec_mean_acceptance_length", "gauge",
+                     "1 + accepted draft tokens / verification rounds since start"
+                     ).set(m.mean_acceptance_length)
+        if pool is not None:
+            s = pool.stats()
+            pages = {"free": s.free, "reserved": s.reserved, "in_use": s.in_use}
+            reclaimed = r.metric("tandem_kv_reservations_reclaimed_total", "counter",
+                                 "reservations failed or reclaimed in the shared KV pool")
+            reclaimed.increment(d.take("reclaimed", s.failed_reservations + s.reclaimed_owners))
+        else:
+            a = engine.allocator
+            pages = {"free": a.num_free, "reserved": 0, "in_use": a.num_used}
+        for state in PAGE_STATES:
+            r.metric("tandem_kv_pages", "gauge", "KV cache pages by state",
+                     state=state).set(pages[state])
+        for reason, total in (failures or {}).items():
+            r.metric("tandem_kv_transfer_failures_total", "counter",
+                     "requests whose prompt KV never arrived, by reason",
+                     reason=reason).increment(d.take(("failure", reason), total))
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class TransferMetrics:
+    """What the ``kv_transfer`` model records: bytes, reservations, transfer time."""
+
+    def __init__(self, model: str, version: str):
+        r = self._r = _Registry(model, version)
+        self.seconds = r.metric("tandem_kv_transfer_seconds", "histogram",
+                                "time from reserving decode pages to the last KV byte arriving",
+                                TRANSFER_BUCKETS)
+        self._deltas = Deltas()
+
+    def on_ready(self, trace) -> None:   # the receiver's transport thread
+        if trace.ready_at is not None:
+            self.seconds.observe(trace.ready_at - trace.reserved_at)
+
+    def poll_receiver(self, stats, pool) -> None:
+        r, d = self._r, self._deltas
+        r.metric("tandem_kv_received_bytes_total", "counter", "KV bytes received over UCX"
+                 ).increment(d.take("bytes", stats.bytes_received))
+        r.metric("tandem_kv_reservations_total", "counter", "decode page reservations made"
+                 ).increment(d.take("reservations", stats.reservations))
+        s = pool.stats()
+        for state, n in (("free", s.free), ("reserved", s.reserved), ("in_use", s.in_use)):
+            r.metric("tandem_kv_pages", "gauge", "KV cache pages by state", state=state).set(n)
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class Poller:
+    """Calls ``fn`` every ``interval_s`` on its own thread until :meth:`stop`."""
+
+    def __init__(self, fn: Callable[[], None], interval_s: float = 0.5, name: str = "tandem-metrics"):
+        self._fn, self._interval = fn, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._fn()
+            except Exception as exc:   # a metric must never take the model down
+                pb_utils.Logger.log_warn(f"[tandem] metrics poll failed: {exc}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
