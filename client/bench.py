@@ -11,6 +11,7 @@ BENCHMARKS = {
     "engine": "decode tokens/s of the engine against HF transformers generate",
     "spec": "speculative decoding (draft-target, MTP) against plain and HF assisted generation",
     "transfer": "KV transfer GB/s between processes over UCX against memcpy",
+    "serving": "disaggregated against colocated through the server: decode tok/s, TTFT, ITL",
 }
 
 
