@@ -73,6 +73,31 @@ def test_prefill_engine_chunks_and_add_prefilled_continue_in_process(demo_checkp
     assert decoder.allocator.num_free == decoder.allocator.num_pages
 
 
+def _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir):
+    """Reserve, submit every request to the decoder first (it waits for each KV without
+    blocking), have the prefill peer run them all; returns (tokens, finish reasons)."""
+    ctx = context_nbytes(model_dir, "float32")
+    descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
+    assert pool.stats().reserved > 0
+    tokens = {i: [] for i in range(len(ids))}
+    reasons, finished = {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_output(out):
+            tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                reasons[i] = out.finish_reason
+                finished.release()
+        return on_output
+    for i, (t, d) in enumerate(zip(ids, descs)):
+        d = DestinationDescriptor.from_bytes(d)
+        engine.submit_prefilled(t, GREEDY, SharedPoolTicket(pool, d.slot, d.generation), collect(i))
+    assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
+    for _ in ids:
+        assert finished.acquire(timeout=60)
+    return [tokens[i] for i in range(len(ids))], [reasons[i] for i in range(len(ids))]
+
+
 @pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
 def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_decode_pool,
                                                rx_peer, prefill_peer, kv_layout):
@@ -88,29 +113,10 @@ def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_
     engine.start()
     try:
         ids = [ref.tokenize(p) for p in PROMPTS]
-        ctx = context_nbytes(model_dir, "float32")
-        descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
-        assert pool.stats().reserved > 0
-        tokens = {i: [] for i in range(len(ids))}
-        reasons, finished = {}, threading.Semaphore(0)
-
-        def collect(i):
-            def on_output(out):
-                tokens[i].extend(out.new_token_ids)
-                if out.finished:
-                    reasons[i] = out.finish_reason
-                    finished.release()
-            return on_output
-        # the decoder learns of every request first and waits for its KV without blocking
-        for i, (t, d) in enumerate(zip(ids, descs)):
-            d = DestinationDescriptor.from_bytes(d)
-            engine.submit_prefilled(t, GREEDY, SharedPoolTicket(pool, d.slot, d.generation),
-                                    collect(i))
-        assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
-        for _ in ids:
-            assert finished.acquire(timeout=60)
-        assert reasons == {i: "length" for i in range(len(ids))}
-        assert [tokens[i] for i in range(len(ids))] == expected
+        tokens, reasons = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer,
+                                                  model_dir)
+        assert reasons == ["length"] * len(ids)
+        assert tokens == expected
     finally:
         engine.shutdown()
     assert pool.stats() == start
@@ -196,25 +202,8 @@ def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, 
     engine.start()
     try:
         ids = [ref.tokenize(p) for p in PROMPTS]
-        ctx = context_nbytes(model_dir, "float32")
-        descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
-        tokens = {i: [] for i in range(len(ids))}
-        finished = threading.Semaphore(0)
-
-        def collect(i):
-            def on_output(out):
-                tokens[i].extend(out.new_token_ids)
-                if out.finished:
-                    finished.release()
-            return on_output
-        for i, (t, d) in enumerate(zip(ids, descs)):
-            d = DestinationDescriptor.from_bytes(d)
-            engine.submit_prefilled(t, GREEDY, SharedPoolTicket(pool, d.slot, d.generation),
-                                    collect(i))
-        assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
-        for _ in ids:
-            assert finished.acquire(timeout=60)
-        assert [tokens[i] for i in range(len(ids))] == expected
+        tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
+        assert tokens == expected
         m = engine.engine.spec_metrics
         assert m.num_drafts > 0
         if method == "draft_target":
