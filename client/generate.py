@@ -1,12 +1,16 @@
 """``tandem generate``: one completion over Triton's gRPC streaming API.
 
-The ``tandem`` model is decoupled, so even a non-streaming request goes over
-a gRPC stream (``start_stream`` / ``async_stream_infer`` / ``stop_stream``):
-the server answers with one response per engine step when ``stream`` is set,
-or with a single response otherwise; the last carries the final flag.
+Tandem's models are decoupled (the ensembles ``tandem``, ``tandem_tokens`` and
+``tandem_colocated``, and the token-level ``llm``), so even a non-streaming request
+goes over a gRPC stream (``start_stream`` / ``async_stream_infer`` / ``stop_stream``):
+the server answers with one response per engine step when ``stream`` is set, or with
+a single response otherwise; the last carries the final flag. A prompt is text, or a
+list of token ids for the token-level models.
 
 >>> for r in stream_generate("127.0.0.1:8001", "def f(", max_tokens=8):  # doctest: +SKIP
 ...     print(r.text, end="")
+>>> ids = [r.output_ids for r in stream_generate("127.0.0.1:8001", [0, 412, 9],  # doctest: +SKIP
+...                                              model="tandem_tokens")]
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import argparse
 import json
 import queue
 import sys
-from dataclasses import asdict, dataclass
-from typing import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -30,16 +34,20 @@ class GenerateResponse:
     num_input_tokens: int
     num_output_tokens: int
     final: bool
+    output_ids: list[int] = field(default_factory=list)   # token-level models only
 
 
 class GenerateError(RuntimeError):
     """The server answered with an error (its message names the bad field)."""
 
 
-def build_inputs(prompt: str, *, max_tokens: int = 16, stream: bool = True, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 stop_words: list[str] | None = None, exclude_input_in_output: bool = True) -> list:
-    """The request tensors, each with the batch dimension (shape ``[1, ...]``)."""
+def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: bool = True,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop_words: list[str] | None = None,
+                 exclude_input_in_output: bool = True) -> list:
+    """The request tensors, each with the batch dimension (shape ``[1, ...]``): ``text_input``
+    for a text prompt, ``input_ids`` for a list of token ids (``exclude_input_in_output``
+    concerns text only)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value, dtype, triton_type: str):
@@ -48,12 +56,12 @@ def build_inputs(prompt: str, *, max_tokens: int = 16, stream: bool = True, temp
         t.set_data_from_numpy(arr)
         return t
 
-    inputs = [
-        tensor("text_input", prompt.encode("utf-8"), np.object_, "BYTES"),
-        tensor("max_tokens", max_tokens, np.int32, "INT32"),
-        tensor("stream", stream, np.bool_, "BOOL"),
-        tensor("exclude_input_in_output", exclude_input_in_output, np.bool_, "BOOL"),
-    ]
+    if isinstance(prompt, str):
+        inputs = [tensor("text_input", prompt.encode("utf-8"), np.object_, "BYTES"),
+                  tensor("exclude_input_in_output", exclude_input_in_output, np.bool_, "BOOL")]
+    else:
+        inputs = [tensor("input_ids", [int(t) for t in prompt], np.int32, "INT32")]
+    inputs += [tensor("max_tokens", max_tokens, np.int32, "INT32"), tensor("stream", stream, np.bool_, "BOOL")]
     if temperature is not None:
         inputs.append(tensor("temperature", temperature, np.float32, "FP32"))
     if top_p is not None:
@@ -81,16 +89,18 @@ def parse_response(result) -> GenerateResponse:
         return GenerateResponse("", "", 0, 0, final)
     text = _first(result, "text_output")
     reason = _first(result, "finish_reason")
+    ids = result.as_numpy("output_ids")
     return GenerateResponse(
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text or ""),
         finish_reason=reason.decode("utf-8") if isinstance(reason, bytes) else str(reason or ""),
         num_input_tokens=int(_first(result, "num_input_tokens") or 0),
         num_output_tokens=int(_first(result, "num_output_tokens") or 0),
         final=final,
+        output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
     )
 
 
-def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, model: str = MODEL_NAME,
+def stream_generate(url: str, prompt: str | Sequence[int], timeout_s: float = 300.0, model: str = MODEL_NAME,
                     **params) -> Iterator[GenerateResponse]:
     """Yield the server's responses for one request to ``model`` until the final one.
 
@@ -135,9 +145,11 @@ def stream_generate(url: str, prompt: str, timeout_s: float = 300.0, model: str 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a running `tandem serve`",
-                              description="Send one prompt to the tandem model over gRPC and print the text.")
+                              description="Send one prompt to a Tandem ensemble over gRPC and print the text.")
     p.add_argument("prompt")
     p.add_argument("--url", default="localhost:8001", help="gRPC endpoint (default: localhost:8001)")
+    p.add_argument("-m", "--model-name", default=MODEL_NAME,
+                   help=f"model to call (default: {MODEL_NAME}; tandem_colocated in --mode colocated)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print one JSON object per response")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -155,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_words=args.stop)
     last = None
     try:
-        for response in stream_generate(args.url, args.prompt, timeout_s=args.timeout, **params):
+        for response in stream_generate(args.url, args.prompt, timeout_s=args.timeout, model=args.model_name,
+                                        **params):
             last = response
             if args.json:
                 print(json.dumps(asdict(response)), flush=True)

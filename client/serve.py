@@ -36,12 +36,20 @@ from .triton_env import find_triton, prepare_backend_dir, server_env
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHECKPOINTS = REPO_ROOT / "checkpoints" / "demo"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-MODEL_NAME = "tandem"
 STUB_NAME = "triton_python_backend_stub"
-# the models each mode serves; the colocated "tandem" is the baseline in both
+# the ensembles clients call, with what each is for (the other models are their steps)
+ENSEMBLES = {
+    "tandem": "text, disaggregated prefill/decode",
+    "tandem_tokens": "token ids, disaggregated prefill/decode",
+    "tandem_colocated": "text, colocated (the baseline)",
+}
+COLOCATED = ("preprocess", "llm", "postprocess", "tandem_colocated")
+DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "tandem", "tandem_tokens")
+# the models each mode serves; "both" puts the two paths side by side for benchmarks
 MODES = {
-    "colocated": ("tandem",),
-    "disaggregated": ("tandem", "preprocess", "kv_transfer", "prefill", "decode", "tandem_disaggregated"),
+    "disaggregated": DISAGGREGATED,
+    "colocated": COLOCATED,
+    "both": DISAGGREGATED + tuple(m for m in COLOCATED if m not in DISAGGREGATED),
 }
 
 
@@ -61,13 +69,17 @@ class ServeOptions:
     num_speculative_tokens: int = 3
     draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
     mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
-    mode: str = "colocated"               # colocated | disaggregated (adds tandem_disaggregated)
+    mode: str = "disaggregated"           # disaggregated | colocated | both (see MODES)
 
     @property
     def models(self) -> tuple[str, ...]:
         if self.mode not in MODES:
             raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
         return MODES[self.mode]
+
+    @property
+    def ensembles(self) -> tuple[str, ...]:
+        return tuple(m for m in self.models if m in ENSEMBLES)
 
     def template_values(self) -> dict[str, str]:
         values = {k: str(v) for k, v in asdict(self).items()}
@@ -264,9 +276,10 @@ class TritonServer:
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Block until ``/v2/health/ready`` and the model's ready endpoint answer 200."""
+        """Block until ``/v2/health/ready`` and every model's ready endpoint answer 200."""
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
-        urls = [f"http://{self.http_url}/v2/health/ready", f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready"]
+        urls = [f"http://{self.http_url}/v2/health/ready",
+                *(f"http://{self.http_url}/v2/models/{m}/ready" for m in self.options.models)]
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
@@ -359,8 +372,8 @@ def _http_ok(url: str) -> bool:
 
 # ---- CLI ------------------------------------------------------------------
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="start tritonserver with the tandem model",
-                              description="Start tritonserver with the tandem model and wait for Ctrl-C.")
+    p = subparsers.add_parser("serve", help="start tritonserver with Tandem's models",
+                              description="Start tritonserver with Tandem's model repository and wait for Ctrl-C.")
     p.add_argument("--model", dest="model_dir", help="HF checkpoint directory (default: checkpoints/demo/target "
                    "if trained, else an untrained demo checkpoint in .cache/demo-untrained)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -380,9 +393,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="draft tokens per step with --spec (default: 3)")
     p.add_argument("--draft-model", default="", help="draft checkpoint (default: checkpoints/demo/draft)")
     p.add_argument("--mtp-head", default="", help="MTP head checkpoint (default: checkpoints/demo/mtp)")
-    p.add_argument("--mode", choices=tuple(MODES), default="colocated",
-                   help="colocated: the tandem model only; disaggregated: also tandem_disaggregated "
-                        "(preprocess, kv_transfer, prefill and decode in their own processes)")
+    p.add_argument("--mode", choices=tuple(MODES), default="disaggregated",
+                   help="disaggregated (default): the ensembles tandem and tandem_tokens (preprocess, "
+                        "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
+                        "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -418,8 +432,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.start()
         phase[0] = "serving"
-        print(f"tandem: serving {options.model_dir}", flush=True)
-        print(f"  HTTP     http://{server.http_url}   (POST /v2/models/{MODEL_NAME}/generate_stream)")
+        print(f"tandem: serving {options.model_dir} ({options.mode})", flush=True)
+        for name in options.ensembles:
+            print(f"  ensemble {name:<17} {ENSEMBLES[name]}")
+        print(f"  HTTP     http://{server.http_url}   (POST /v2/models/{options.ensembles[0]}/generate_stream)")
         print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
         print("Ctrl-C to stop.", flush=True)

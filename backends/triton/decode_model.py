@@ -1,16 +1,18 @@
-"""The ``decode`` model: the colocated model's streaming front, on the shared pool.
+"""The ``decode`` model: the ``llm`` model's token-level streaming front, on the shared pool.
 
-It differs from :mod:`.llm_model` in two places: the engine's KV lives in the
-server's shared decode pool (which kv_transfer receives into), and a request with a
-``kv_descriptor`` is submitted as prefilled — the engine admits it when the
-reservation's counter completes (polled without blocking the batch), then runs the
-last prompt token as a decode token and samples the first output token.
+Inputs and outputs are ``llm``'s (parsed by the same :func:`parse_token_request`)
+plus ``kv_descriptor`` and ``prefill_ack`` from the steps before it. It differs from
+:mod:`.llm_model` in two places: the engine's KV lives in the server's shared decode
+pool (which kv_transfer receives into), and a request with a ``kv_descriptor`` is
+submitted as prefilled — the engine admits it when the reservation's counter
+completes (polled without blocking the batch), then runs the last prompt token as a
+decode token and samples the first output token.
 """
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, pool_spec, token_ids
+from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, pool_spec
 from .llm_model import TritonPythonModel as _StreamingModel
 
 
@@ -28,14 +30,13 @@ class TritonPythonModel(_StreamingModel):
         from tandem.backends.disagg import SharedPoolTicket
         from tandem.rdma import DestinationDescriptor
 
-        ids = token_ids(pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy())
         desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
         params = parsed.sampling_params()
         if desc == NO_TRANSFER:
-            return self.engine.submit(ids, params, on_output)
+            return self.engine.submit(parsed.prompt, params, on_output)
         d = DestinationDescriptor.from_bytes(desc)
-        return self.engine.submit_prefilled(ids, params, SharedPoolTicket(self.pool, d.slot, d.generation),
-                                            on_output)
+        return self.engine.submit_prefilled(parsed.prompt, params,
+                                            SharedPoolTicket(self.pool, d.slot, d.generation), on_output)
 
     def finalize(self) -> None:
         super().finalize()

@@ -5,6 +5,10 @@ It creates (or maps) the server's shared decode pool and runs a
 ``input_ids[:-1]`` plus the context blob, arms the reservation's counter, and
 returns the destination descriptor (``kv_descriptor``) for prefill; receives run on
 the receiver's own thread. An unclaimed or unfed reservation is reclaimed by lease.
+
+It is the gate before any page is reserved: it checks the whole token request with
+the parser ``decode`` uses (:func:`parse_token_request`), so a request that decode
+would refuse never holds pages — in ``tandem_tokens`` no step before it checks them.
 """
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
-from .settings import EngineSettings
+from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
+from .generate_request import RequestError, parse_token_request
+from .settings import EngineSettings, model_limits
 
 
 class TritonPythonModel:
@@ -25,13 +30,22 @@ class TritonPythonModel:
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
         self.receiver = KVReceiver(self.pool, name="kv_transfer")
+        self.vocab_size, self.max_model_len = model_limits(s.model_dir)
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
 
     def _one(self, request):
         from tandem.rdma.shared_pool import OutOfPages
-        n = pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy().size
+
+        def get(name: str):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        try:
+            n = len(parse_token_request(get, self.vocab_size, self.max_model_len).prompt)
+        except RequestError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
         try:
             desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()

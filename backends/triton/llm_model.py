@@ -1,14 +1,19 @@
-"""The ``tandem`` Triton model: a decoupled streaming front of the engine.
+"""The ``llm`` Triton model: the engine's decoupled, token-level streaming front.
 
-``model_repository/tandem/1/model.py`` re-exports :class:`TritonPythonModel`.
-The request format lives in :mod:`.generate_request`, the response rules in
-:mod:`.response_stream`; this module is the ``pb_utils`` glue:
+``model_repository/llm/1/model.py`` re-exports :class:`TritonPythonModel`; the
+``decode`` model (:mod:`.decode_model`) is this model on the shared decode pool.
+Inputs are ``input_ids`` and the sampling inputs, outputs ``output_ids`` and the
+detokenized delta (:mod:`.generate_request`); in an ensemble it also relays
+``prompt_echo`` unread to postprocess (:mod:`.postprocess`). The response rules live in
+:mod:`.response_stream`, stream bookkeeping in :mod:`.in_flight`. This module is
+the ``pb_utils`` glue:
 
 - ``execute`` parses each request, submits it to the engine and returns at
   once; the engine thread sends responses through the request's sender.
-- A watcher thread polls ``request.is_cancelled()`` for in-flight requests
-  (only while there are any, so an idle instance uses no CPU), sends the
-  final cancelled response and aborts the sequence in the engine.
+- Cancellation: a client that calls this model directly is seen through
+  ``request.is_cancelled()``; a client that cancels an ensemble through
+  postprocess, which sends back the reply's ``cancel_token`` (:mod:`.cancel_channel`).
+  Either way the engine aborts the sequence and the stream ends (:mod:`.in_flight`).
 - ``finalize`` ends every open stream and shuts the engine down.
 """
 
@@ -25,19 +30,29 @@ import traceback
 
 import triton_python_backend_utils as pb_utils
 
-from .generate_request import OUTPUT_NAMES, RequestError, parse_generate_request
+from .cancel_channel import CANCEL_TOKEN, CancelListener
+from .generate_request import TOKEN_OUTPUT_NAMES, RequestError, parse_token_request, scalar, string_array
+from .in_flight import InFlight
+from .postprocess import PROMPT_ECHO
 from .response_stream import Reply, ResponseStream
-from .settings import EngineSettings
+from .settings import EngineSettings, model_limits
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class _Metrics:
-    """Custom metrics on Triton's metrics port (``/metrics``)."""
+    """Custom metrics on Triton's metrics port (``/metrics``).
+
+    One lock for every update: the Python backend's ``Metric.increment`` releases the
+    GIL and rewrites the metric's shared-memory message, so the execute and engine
+    threads updating one metric at once made the server read a freed message (SIGSEGV
+    in ``triton::core::Metric::Increment``).
+    """
 
     REASONS = ("stop", "length", "abort", "error", "rejected")
 
     def __init__(self, model: str, version: str):
+        self._lock = threading.Lock()
         labels = {"model": model, "version": version}
         # the families must stay referenced for their metrics to live
         self.families = [
@@ -52,88 +67,28 @@ class _Metrics:
         self.finished = {r: self.families[1].Metric(labels={**labels, "reason": r}) for r in self.REASONS}
 
     def submitted(self) -> None:
-        self.in_engine.increment(1)
+        with self._lock:
+            self.in_engine.increment(1)
 
     def not_submitted(self) -> None:
-        self.in_engine.increment(-1)
+        with self._lock:
+            self.in_engine.increment(-1)
 
     def engine_finished(self, reason: str | None) -> None:
-        self.in_engine.increment(-1)
+        with self._lock:
+            self.in_engine.increment(-1)
         self.finish(reason or "stop")
 
     def finish(self, reason: str) -> None:
         metric = self.finished.get(reason)
         if metric is not None:
-            metric.increment(1)
+            with self._lock:
+                metric.increment(1)
 
 
 def _log(level: str, message: str) -> None:
     logger = pb_utils.Logger
     getattr(logger, f"log_{level}")(f"[tandem] {message}")
-
-
-class _InFlight:
-    """Open streams by engine request id, plus the cancellation watcher."""
-
-    def __init__(self, engine, poll_s: float):
-        self._engine = engine
-        self._poll_s = poll_s
-        self._streams: dict[str, tuple[object, ResponseStream]] = {}
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._watch, name="tandem-cancel-watch", daemon=True)
-        self._thread.start()
-
-    def add(self, rid: str, request, stream: ResponseStream) -> None:
-        with self._cv:
-            if not stream.closed:  # it may have finished before submit returned
-                self._streams[rid] = (request, stream)
-                self._cv.notify()
-
-    def discard(self, rid: str) -> None:
-        with self._cv:
-            self._streams.pop(rid, None)
-
-    def _watch(self) -> None:
-        while True:
-            with self._cv:
-                while not self._streams and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    return
-            self._poll_once()
-            with self._cv:
-                if not self._stopping:
-                    self._cv.wait(self._poll_s)
-
-    def _poll_once(self) -> None:
-        # A method of its own so that no request object stays referenced from
-        # this thread's locals while it sleeps.
-        with self._cv:
-            snapshot = list(self._streams.items())
-        for rid, (request, stream) in snapshot:
-            if stream.closed:
-                self.discard(rid)
-                continue
-            try:
-                cancelled = request.is_cancelled()
-            except Exception:  # the request is gone on the server side
-                cancelled = True
-            if cancelled and stream.cancel():
-                self.discard(rid)
-                self._engine.abort(rid)
-
-    def close(self, message: str) -> None:
-        """End every open stream with ``message`` and stop the watcher."""
-        with self._cv:
-            self._stopping = True
-            streams = list(self._streams.items())
-            self._streams.clear()
-            self._cv.notify_all()
-        for rid, (_, stream) in streams:
-            if stream.fail(message, code="UNAVAILABLE"):
-                self._engine.abort(rid)
-        self._thread.join(timeout=5)
 
 
 class TritonPythonModel:
@@ -143,9 +98,10 @@ class TritonPythonModel:
         # `kill -USR1 <stub pid>` dumps every thread's stack into the server log.
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
         model_config = json.loads(args["model_config"])
+        name, version = args.get("model_name", "llm"), str(args.get("model_version", "1"))
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
-                "model 'tandem' streams tokens and must be decoupled: "
+                f"model {name!r} streams tokens and must be decoupled: "
                 "set model_transaction_policy { decoupled: true } in config.pbtxt")
         self.settings = EngineSettings.from_model_config(model_config)
         torch.set_num_threads(self.settings.threads)
@@ -155,14 +111,18 @@ class TritonPythonModel:
             pass
 
         s = self.settings
+        self.vocab_size, self.max_model_len = model_limits(s.model_dir)
         self.engine = self._make_engine(s)
         if self.engine.tokenizer is None:
             raise pb_utils.TritonModelException(
-                f"model_dir {s.model_dir} has no tokenizer.json; the tandem model takes text")
-        self.vocab_size = self.engine.tokenizer.get_vocab_size()
+                f"model_dir {s.model_dir} has no tokenizer.json; model {name!r} detokenizes its output")
         self.engine.start()
-        self.in_flight = _InFlight(self.engine, s.cancel_poll_ms / 1000.0)
-        self.metrics = _Metrics(args.get("model_name", "tandem"), str(args.get("model_version", "1")))
+        self.in_flight = InFlight(self.engine, s.cancel_poll_ms / 1000.0)
+        # keyed by instance and version: a new version loads while the old one drains
+        instance = args.get("model_instance_name", f"{name}_0")
+        self.cancel_listener = CancelListener(f"{instance}.{version}",
+                                              lambda key: self.in_flight.cancel(key, notify=False))
+        self.metrics = _Metrics(name, version)
         _log("info", f"engine ready: {s.model_dir} dtype={s.dtype} page_size={s.page_size} "
                      f"kv_layout={s.kv_layout} torch_threads={s.threads}")
 
@@ -189,13 +149,18 @@ class TritonPythonModel:
             return None if tensor is None else tensor.as_numpy()
 
         try:
-            parsed = parse_generate_request(get, vocab_size=self.vocab_size)
+            parsed = parse_token_request(get, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+            echo = scalar(get, PROMPT_ECHO)
         except RequestError as exc:
             _send_error(sender, str(exc))
             self.metrics.finish("rejected")
             return
 
-        stream = ResponseStream(parsed, lambda reply: _send(sender, reply))
+        key, token = self.cancel_listener.new_token()
+        # for the ensemble's postprocess step, on every reply
+        relay = {CANCEL_TOKEN: string_array(token),
+                 PROMPT_ECHO: string_array(b"" if echo is None else bytes(echo))}
+        stream = ResponseStream(parsed, lambda reply: _send(sender, reply), relay)
         in_flight, metrics = self.in_flight, self.metrics
 
         def on_output(out) -> None:  # engine thread
@@ -208,14 +173,16 @@ class TritonPythonModel:
                 if stream.fail(f"internal error: {exc}", code="INTERNAL"):
                     self.engine.abort(out.request_id)
             if stream.closed:
-                in_flight.discard(out.request_id)
+                in_flight.discard(key)
 
+        in_flight.add(key, request, stream)  # before submit: the first reply already carries the token
         metrics.submitted()  # before submit: the engine may finish the request before it returns
         try:
             rid = self._submit(request, parsed, on_output)
         except Exception as exc:
+            in_flight.discard(key)
             metrics.not_submitted()
-            if isinstance(exc, ValueError):  # the engine's own validation (prompt too long, ...)
+            if isinstance(exc, ValueError):  # the engine's own validation (KV pool too small, ...)
                 stream.fail(str(exc))
                 metrics.finish("rejected")
             else:
@@ -223,10 +190,13 @@ class TritonPythonModel:
                 stream.fail(f"internal error: {exc}", code="INTERNAL")
                 metrics.finish("error")
             return
-        in_flight.add(rid, request, stream)
+        in_flight.started(key, rid)
 
     def finalize(self) -> None:
         start = time.monotonic()
+        listener = getattr(self, "cancel_listener", None)
+        if listener is not None:
+            listener.close()
         in_flight = getattr(self, "in_flight", None)
         if in_flight is not None:
             in_flight.close("the server is shutting down; request aborted")
@@ -253,7 +223,8 @@ def _send(sender, reply: Reply) -> None:
         response = pb_utils.InferenceResponse(error=pb_utils.TritonError(reply.error, _error_code(reply.code)))
     elif reply.outputs is not None:
         response = pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, reply.outputs[name]) for name in OUTPUT_NAMES])
+            output_tensors=[pb_utils.Tensor(name, reply.outputs[name])
+                            for name in (*TOKEN_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO) if name in reply.outputs])
     else:
         response = None
     try:

@@ -93,3 +93,13 @@ class EngineSettings:
                     num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     speculative=self.speculative())
+
+
+def model_limits(model_dir: str) -> tuple[int, int]:
+    """``(vocab_size, max_model_len)`` of a checkpoint: what every model on the request
+    path checks token ids and lengths against (the engine's context is the checkpoint's
+    ``max_position_embeddings``; ``tandem serve`` sets no other)."""
+    from tandem.backends.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return cfg.vocab_size, cfg.max_position_embeddings

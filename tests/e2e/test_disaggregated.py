@@ -1,29 +1,38 @@
-"""The disaggregated ensemble on a real tritonserver: preprocess, kv_transfer, prefill
-and decode in their own processes, KV over UCX into the shared decode pool; its greedy
-text equals the colocated ``tandem`` model's on the same server."""
+"""The disaggregated ensembles on a real tritonserver (`tandem serve --mode both`):
+``tandem`` (preprocess -> kv_transfer -> prefill -> decode -> postprocess, each in its
+own process, KV over UCX into the shared decode pool) and ``tandem_tokens``, beside
+the colocated baseline ``tandem_colocated``. Greedy output equals the offline engine's
+(``LLM.generate``) with the same settings."""
 from __future__ import annotations
 
-import json
-import urllib.request
+import os
+import queue
+import re
+import time
 
+import numpy as np
 import pytest
 
-from tandem.client.generate import GenerateError, stream_generate
-from tandem.client.serve import ServeOptions, TritonServer, stub_processes
+from tandem.client.generate import build_inputs, parse_response, stream_generate
+from tandem.client.serve import MODES, ServeOptions, TritonServer, stub_processes
+
+from .triton_calls import first_answer, http_post, metric, sse_events, tensors
 
 pytestmark = pytest.mark.e2e
-DISAGG = "tandem_disaggregated"
+DISAGG, COLOCATED, TOKENS = "tandem", "tandem_colocated", "tandem_tokens"
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:", "x",
            "# " + "the quick brown fox jumps over the lazy dog " * 3]
+# small pages and chunks: several pages per prompt, chunked prefill
+SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-disagg")
-    # small pages and chunks: several pages per prompt, chunked prefill
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
-                                    page_size=4, max_num_batched_tokens=8, mode="disaggregated"),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=240)
+    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, mode="both", **SETTINGS),
+                       # six stubs unload slowly on a busy machine
+                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
+                       exit_timeout_s=30)
     try:
         srv.start()
         yield srv
@@ -31,39 +40,158 @@ def server(tmp_path_factory, demo_checkpoint):
         srv.stop()
 
 
-def _text(server, model, prompt, **params):
-    responses = list(stream_generate(server.grpc_url, prompt, model=model, timeout_s=60,
-                                     max_tokens=10, temperature=0.0, **params))
-    assert responses[-1].final
+@pytest.fixture(scope="module")
+def reference(demo_checkpoint):
+    import torch
+
+    from tandem.backends.engine.llm import LLM
+    torch.set_num_threads(1)
+    llm = LLM(str(demo_checkpoint), **SETTINGS)
+    cache = {}
+
+    def greedy(prompt, max_tokens=10):
+        """``LLM.generate``'s greedy completion (token ids, text)."""
+        from tandem.backends.engine.params import SamplingParams
+        key = (tuple(prompt) if isinstance(prompt, list) else prompt, max_tokens)
+        if key not in cache:
+            cache[key] = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+        return cache[key]
+    return greedy
+
+
+def _stream(server, model, prompt, **params):
+    params = {"max_tokens": 10, "temperature": 0.0, "stream": True, **params}
+    responses = list(stream_generate(server.grpc_url, prompt, model=model, timeout_s=60, **params))
+    assert responses[-1].final and responses[-1].finish_reason in ("stop", "length")
     return "".join(r.text for r in responses), responses
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_grpc_stream_equals_colocated(server, prompt):
-    want, _ = _text(server, "tandem", prompt, stream=True)
-    got, responses = _text(server, DISAGG, prompt, stream=True)
+def test_grpc_stream_equals_colocated_and_the_engine(server, reference, prompt):
+    want = reference(prompt).text
+    got, responses = _stream(server, DISAGG, prompt)
     assert got == want
-    assert responses[-1].finish_reason in ("stop", "length")
+    assert _stream(server, COLOCATED, prompt)[0] == want
     assert len(responses) >= 2     # streamed: one response per step
 
 
-def test_concurrent_streams_each_get_their_own_tokens(server):
-    import queue
+def test_http_generate_stream_sse_equals_the_engine(server, reference):
+    body = {"text_input": PROMPTS[0], "max_tokens": 10, "temperature": 0, "stream": True}
+    for model in (DISAGG, COLOCATED):
+        status, text = http_post(server, model, "generate_stream", body)
+        assert status == 200, text
+        events = sse_events(text)
+        assert len(events) >= 2 and events[-1]["finish_reason"] in ("stop", "length")
+        assert "".join(e["text_output"] for e in events) == reference(PROMPTS[0]).text, model
 
+
+def test_http_generate_non_streaming_echoes_the_prompt(server, reference):
+    import json
+
+    body = {"text_input": "def main():", "max_tokens": 6, "temperature": 0}
+    status, text = http_post(server, DISAGG, "generate", body)
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["text_output"] == "def main():" + reference("def main():", 6).text
+    assert out["num_output_tokens"] == len(reference("def main():", 6).token_ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tandem_tokens_output_ids_equal_the_engine(server, reference, stream):
+    want = reference(PROMPTS[1])
+    _, responses = _stream(server, TOKENS, want.prompt_token_ids, stream=stream)
+    assert [t for r in responses for t in r.output_ids] == want.token_ids
+    assert "".join(r.text for r in responses) == want.text
+    assert len(responses) == (len(want.token_ids) if stream else 1)
+
+
+def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(server, reference):
+    """Triton 2.51 does not cancel an ensemble step in flight: decode learns of the
+    cancellation from postprocess (backends/triton/cancel_channel.py)."""
     import tritonclient.grpc as grpcclient
 
-    from tandem.client.generate import build_inputs, parse_response
-    prompts = [f"def f{i}(x):\n    return x * {i}" + " + 1" * i for i in range(8)]
-    expected = [_text(server, "tandem", p, stream=True)[0] for p in prompts]
+    aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    for i, p in enumerate(prompts):
-        client.async_stream_infer(DISAGG, build_inputs(p, max_tokens=10, temperature=0.0),
-                                  request_id=str(i), enable_empty_final_response=True)
-    texts, done = [""] * len(prompts), set()
-    while len(done) < len(prompts):
+    client.async_stream_infer(DISAGG, build_inputs("class A:", max_tokens=2000, stream=True),
+                              enable_empty_final_response=True)
+    for _ in range(2):
         result, error = results.get(timeout=60)
+        assert error is None and not parse_response(result).final
+    client.stop_stream(cancel_requests=True)
+    while (answer := results.get(timeout=30))[1] is None:
+        assert not parse_response(answer[0]).final
+    assert "CANCELLED" in str(answer[1].status())
+    client.close()
+
+    deadline = time.monotonic() + 30
+    while metric(server, "tandem_requests_finished_total", "decode", reason="abort") < aborted_before + 1:
+        assert time.monotonic() < deadline, "decode did not abort the cancelled request"
+        time.sleep(0.1)
+    assert metric(server, "tandem_requests_in_engine", "decode") == 0
+    assert server.is_ready()
+    assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
+
+
+def _one(value, dtype):
+    return np.array([[value]], dtype=dtype)
+
+
+HELLO = _one(b"hello", object)
+BAD_TEXT_REQUESTS = {
+    "empty text_input": ("text_input", dict(text_input=_one(b"", object))),
+    "prompt over the context": ("text_input", dict(text_input=_one(b"word " * 3000, object))),
+    "max_tokens 0": ("max_tokens", dict(text_input=HELLO, max_tokens=_one(0, np.int32))),
+    "max_tokens negative": ("max_tokens", dict(text_input=HELLO, max_tokens=_one(-3, np.int32))),
+    "max_tokens above the context": ("max_tokens", dict(text_input=HELLO, max_tokens=_one(5000, np.int32))),
+    "temperature < 0": ("temperature", dict(text_input=HELLO, temperature=_one(-0.5, np.float32))),
+    "top_p 0": ("top_p", dict(text_input=HELLO, top_p=_one(0.0, np.float32))),
+    "top_p > 1": ("top_p", dict(text_input=HELLO, top_p=_one(1.5, np.float32))),
+    "wrong dtype": ("max_tokens", dict(text_input=HELLO, max_tokens=_one(4.0, np.float32))),
+    "wrong shape": ("text_input", dict(text_input=np.array([[b"a", b"b"]], dtype=object))),
+    "invalid UTF-8": ("text_input", dict(text_input=_one(b"\xff\xfe", object))),
+}
+BAD_TOKEN_REQUESTS = {
+    "empty input_ids": ("input_ids", dict(input_ids=np.zeros((1, 0), dtype=np.int32))),
+    "id out of the vocabulary": ("input_ids", dict(input_ids=np.array([[5, 2000]], dtype=np.int32))),
+    "prompt over the context": ("input_ids", dict(input_ids=np.full((1, 2048), 5, dtype=np.int32))),
+    "max_tokens above the context": ("max_tokens", dict(input_ids=np.full((1, 2040), 5, dtype=np.int32),
+                                                        max_tokens=_one(9, np.int32))),
+}
+
+
+@pytest.mark.parametrize("model,case", [(DISAGG, c) for c in BAD_TEXT_REQUESTS]
+                         + [(TOKENS, c) for c in BAD_TOKEN_REQUESTS])
+def test_bad_input_returns_an_error_naming_the_field(server, model, case):
+    field, inputs = (BAD_TEXT_REQUESTS if model == DISAGG else BAD_TOKEN_REQUESTS)[case]
+    result, error = first_answer(server.grpc_url, model, tensors(**inputs))
+    assert error is not None, f"{case}: accepted"
+    # ours read "in ensemble 'tandem', max_tokens: got 0; allowed: ..."; Triton's own
+    # (dtype, shape) name the input in quotes
+    assert re.search(rf"(, {field}: |'{field}')", error.message()), error.message()
+    assert server.is_ready()
+
+
+def test_the_server_is_healthy_after_bad_input(server, reference):
+    # every refusal happened before kv_transfer reserved pages (or in it): the pool is whole
+    for _ in range(3):
+        assert _stream(server, DISAGG, PROMPTS[0])[0] == reference(PROMPTS[0]).text
+
+
+def _batch(server, requests: list[tuple[str, dict]]) -> list[str]:
+    """Send every request at once on one gRPC stream; the texts, by request."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    for i, (prompt, params) in enumerate(requests):
+        client.async_stream_infer(DISAGG, build_inputs(prompt, **params), request_id=str(i),
+                                  enable_empty_final_response=True)
+    texts, done = [""] * len(requests), set()
+    while len(done) < len(requests):
+        result, error = results.get(timeout=120)
         assert error is None, error
         r = parse_response(result)
         rid = int(result.get_response().id)
@@ -72,37 +200,48 @@ def test_concurrent_streams_each_get_their_own_tokens(server):
             done.add(rid)
     client.stop_stream()
     client.close()
-    assert texts == expected
+    return texts
 
 
-def test_http_generate_non_streaming_equals_colocated(server):
-    def post(model):
-        body = {"text_input": "def main():", "max_tokens": 6, "temperature": 0}
-        req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
-    got, want = post(DISAGG), post("tandem")
-    assert got["text_output"] == want["text_output"]
-    assert got["num_output_tokens"] == want["num_output_tokens"]
+GREEDY = [(f"def f{i}(x):\n    return x * {i}" + " + 1" * i, dict(max_tokens=8, temperature=0.0))
+          for i in range(8)]
+SAMPLED = [(f"class C{i}:\n    def __init__(self",
+            dict(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)) for i in range(8)]
+CONCURRENT = [r for pair in zip(GREEDY, SAMPLED) for r in pair]    # interleaved
 
 
-def test_bad_input_is_refused_before_any_reservation(server):
-    with pytest.raises(GenerateError, match=r"max_tokens: "):
-        list(stream_generate(server.grpc_url, "hello", model=DISAGG, max_tokens=0, timeout_s=60))
-    got, _ = _text(server, DISAGG, "hello", stream=True)   # still healthy
-    assert got
+@pytest.fixture(scope="module")
+def first_batch(server):
+    return _batch(server, CONCURRENT)
+
+
+def test_16_concurrent_streams_with_different_settings(server, reference, first_batch):
+    assert first_batch[0::2] == [reference(p, 8).text for p, _ in GREEDY]
+    assert all(first_batch[1::2])
+    # really sampled: not all the same as greedy
+    assert any(text != reference(p, 8).text for text, (p, _) in zip(first_batch[1::2], SAMPLED))
+
+
+@pytest.mark.xfail(reason="known bug outside backends/triton: concurrent requests of different prompt lengths get "
+                          "wrong tokens from decode once the shared pool's pages have been recycled (sequential "
+                          "and equal-length requests do not); one suspect: rdma SharedKVPool.claim() returns a "
+                          "reservation's pages sorted by id, not in the order reserve() gave them to prefill",
+                   strict=False)
+def test_a_second_concurrent_run_reproduces_the_first(server, reference, first_batch):
+    second = _batch(server, CONCURRENT)
+    assert second[0::2] == [reference(p, 8).text for p, _ in GREEDY]
+    assert second[1::2] == first_batch[1::2]      # seeded: reproducible
 
 
 def test_zz_stop_removes_processes_and_the_shared_pool(server):
     pid = server.process.pid
-    assert len(stub_processes(server.run_dir)) == 5
+    # preprocess, kv_transfer, prefill, decode, postprocess, llm
+    assert len(stub_processes(server.run_dir)) == 6
     server.stop()
     assert stub_processes(server.run_dir) == []
-    import os
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{pid}-")]
-    # every model unloaded cleanly: no stub crashed on the way out
+    # every model unloaded cleanly: no stub crashed, no cancelled request was left in flight
     log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
     assert "Caught signal" not in log and "Segmentation fault" not in log
-    assert log.count("successfully unloaded") == 5 + 1   # five models and the ensemble
+    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
+    assert log.count("successfully unloaded") == len(MODES["both"])   # six models, three ensembles

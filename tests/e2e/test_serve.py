@@ -1,4 +1,6 @@
-"""A real tritonserver with the tandem model, driven the way users drive it.
+"""`tandem serve --mode colocated` on a real tritonserver, driven the way users drive it:
+the ensemble ``tandem_colocated`` (preprocess -> llm -> postprocess) with the
+conventional text interface, and ``llm`` itself as the token-level model.
 
 One server per module (starting it is the slow part); the tiny untrained demo
 checkpoint keeps generation fast. The last test stops the server, so it runs last.
@@ -14,24 +16,27 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
-import numpy as np
 import pytest
 
-from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES
+from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
-from tandem.client.serve import ServeOptions, TritonServer, free_port, stub_processes
+from tandem.client.serve import MODES, ServeOptions, TritonServer, free_port, stub_processes
+
+from .triton_calls import http_post, metric, sse_events
 
 pytestmark = pytest.mark.e2e
+MODEL = "tandem_colocated"
+MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180)
+    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=MAX_NUM_SEQS,
+                                    mode="colocated"),
+                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180,
+                       exit_timeout_s=30)
     try:
         srv.start()
         yield srv
@@ -39,50 +44,50 @@ def server(tmp_path_factory, demo_checkpoint):
         srv.stop()
 
 
-def http_post(server, path, body):
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/tandem/{path}",
-                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+@pytest.fixture(scope="module")
+def reference(demo_checkpoint):
+    """The offline engine with the server's settings: what greedy output must equal."""
+    import torch
+
+    from tandem.backends.engine.llm import LLM
+    torch.set_num_threads(1)
+    return LLM(str(demo_checkpoint), max_num_seqs=MAX_NUM_SEQS)
 
 
-def metric(server, name, **labels):
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    want = {"model": "tandem", "version": "1", **labels}
-    for line in text.splitlines():
-        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if m and dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) == want:
-            return float(m.group(2))
-    return 0.0
+def greedy(reference, prompt, max_tokens):
+    from tandem.backends.engine.params import SamplingParams
+    return reference.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
 
 
-def test_server_and_model_ready(server):
+def test_server_and_models_ready(server):
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(server.http_url)
-    assert client.is_server_ready() and client.is_model_ready("tandem")
-    config = client.get_model_config("tandem")
-    assert config["model_transaction_policy"]["decoupled"] is True
-    assert {i["name"] for i in config["input"]} == set(INPUT_NAMES)
+    assert client.is_server_ready()
+    assert all(client.is_model_ready(m) for m in MODES["colocated"])
+    config = client.get_model_config(MODEL)
+    assert config["platform"] == "ensemble"
+    assert [i["name"] for i in config["input"]] == list(INPUT_NAMES)
     assert [o["name"] for o in config["output"]] == list(OUTPUT_NAMES)
+    llm = client.get_model_config("llm")
+    assert llm["model_transaction_policy"]["decoupled"] is True
+    assert [o["name"] for o in llm["output"]][:len(TOKEN_OUTPUT_NAMES)] == list(TOKEN_OUTPUT_NAMES)
 
 
-def test_stream_over_grpc_sends_step_responses_then_final(server):
-    responses = list(stream_generate(server.grpc_url, "def main():", max_tokens=8, temperature=0.0,
-                                     stream=True, timeout_s=60))
+def test_stream_over_grpc_sends_step_responses_then_final(server, reference):
+    responses = list(stream_generate(server.grpc_url, "def main():", model=MODEL, max_tokens=8,
+                                     temperature=0.0, stream=True, timeout_s=60))
     assert len(responses) >= 2
     assert [r.final for r in responses] == [False] * (len(responses) - 1) + [True]
     assert all(r.finish_reason == "" for r in responses[:-1])
     assert responses[-1].finish_reason in ("stop", "length")
     assert [r.num_output_tokens for r in responses] == list(range(1, len(responses) + 1))
     assert responses[-1].num_input_tokens > 0
+    assert "".join(r.text for r in responses) == greedy(reference, "def main():", 8).text
 
 
 def test_non_streaming_sends_one_response_with_the_whole_text(server):
-    params = dict(max_tokens=8, temperature=0.0, timeout_s=60)
+    params = dict(model=MODEL, max_tokens=8, temperature=0.0, timeout_s=60)
     streamed = list(stream_generate(server.grpc_url, "import os", stream=True, **params))
     whole = list(stream_generate(server.grpc_url, "import os", stream=False, exclude_input_in_output=False,
                                  **params))
@@ -90,74 +95,104 @@ def test_non_streaming_sends_one_response_with_the_whole_text(server):
     # greedy: the same tokens either way; the non-streaming text starts with the prompt
     assert whole[0].text == "import os" + "".join(r.text for r in streamed)
     assert whole[0].num_output_tokens == streamed[-1].num_output_tokens
+    excluded = list(stream_generate(server.grpc_url, "import os", stream=False, exclude_input_in_output=True,
+                                    **params))
+    assert excluded[0].text == "".join(r.text for r in streamed)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_llm_token_level_output_ids_equal_llm_generate(server, reference, stream):
+    want = greedy(reference, "def fib(n):", 10)
+    responses = list(stream_generate(server.grpc_url, want.prompt_token_ids, model="llm", max_tokens=10,
+                                     temperature=0.0, stream=stream, timeout_s=60))
+    assert [t for r in responses for t in r.output_ids] == want.token_ids
+    assert "".join(r.text for r in responses) == want.text     # no prompt echo at token level
+    assert responses[-1].num_input_tokens == len(want.prompt_token_ids)
+    assert len(responses) == (len(want.token_ids) if stream else 1)
+
+
+@pytest.mark.parametrize("ids,max_tokens,error", [
+    ([], 4, "input_ids: is empty"),
+    ([5, 2000], 4, r"input_ids: token id 2000 is not in the vocabulary; allowed: ids in \[0, 1999\]"),
+    ([5] * 2048, 1, "input_ids: has 2048 tokens; the context is 2048 tokens"),
+    ([5] * 2040, 10, "max_tokens: got 10; the prompt has 2040 tokens of a 2048-token context; allowed: <= 8"),
+])
+def test_llm_refuses_bad_token_requests_naming_the_field(server, ids, max_tokens, error):
+    with pytest.raises(GenerateError, match=f"^{error}"):
+        list(stream_generate(server.grpc_url, ids, model="llm", max_tokens=max_tokens, timeout_s=60))
 
 
 def test_http_generate_endpoints(server):
-    status, body = http_post(server, "generate", {"text_input": "def f(", "max_tokens": 4, "temperature": 0})
+    status, body = http_post(server, MODEL, "generate", {"text_input": "def f(", "max_tokens": 4, "temperature": 0})
     assert status == 200, body
     out = json.loads(body)
     assert out["text_output"].startswith("def f(") and out["finish_reason"] in ("stop", "length")
     assert 1 <= out["num_output_tokens"] <= 4
 
-    status, body = http_post(server, "generate_stream",
+    status, body = http_post(server, MODEL, "generate_stream",
                              {"text_input": "def f(", "max_tokens": 4, "temperature": 0, "stream": True})
     assert status == 200, body
-    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    events = sse_events(body)
     assert len(events) == out["num_output_tokens"]
     assert "def f(" + "".join(e["text_output"] for e in events) == out["text_output"]
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("top_p", 1.5), ("temperature", -1.0),
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("top_p", 1.5), ("top_p", 0.0), ("temperature", -1.0),
                                          ("top_k", -3), ("text_input", "")])
 def test_bad_parameter_returns_an_error_naming_the_field(server, field, value):
     body = {"text_input": "hello", "max_tokens": 4, field: value}
-    status, text = http_post(server, "generate", body)
+    status, text = http_post(server, MODEL, "generate", body)
     assert status == 400
-    assert json.loads(text)["error"].startswith(f"{field}: ")
+    assert f", {field}: " in json.loads(text)["error"]   # "in ensemble 'tandem_colocated', top_p: ..."
 
 
 def test_bad_parameter_over_grpc(server):
-    with pytest.raises(GenerateError, match=r"^top_p: .*allowed: a number in \[0, 1\]"):
-        list(stream_generate(server.grpc_url, "hello", top_p=1.5, timeout_s=60))
+    with pytest.raises(GenerateError, match=r"top_p: .*allowed: a number in \(0, 1\]"):
+        list(stream_generate(server.grpc_url, "hello", model=MODEL, top_p=1.5, timeout_s=60))
 
 
-def test_cancelled_stream_is_aborted_and_server_stays_healthy(server):
+@pytest.mark.parametrize("model", [MODEL, "llm"])
+def test_cancelled_stream_is_aborted_and_server_stays_healthy(server, model):
+    """Through the ensemble, postprocess carries the cancellation back to llm (Triton does
+    not cancel the step in flight); called directly, llm sees it itself."""
     import tritonclient.grpc as grpcclient
 
-    aborted_before = metric(server, "tandem_requests_finished_total", reason="abort")
+    aborted_before = metric(server, "tandem_requests_finished_total", "llm", reason="abort")
+    prompt = "class A:" if model == MODEL else [0, 412, 9, 77]
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("tandem", build_inputs("class A:", max_tokens=2000, stream=True),
+    client.async_stream_infer(model, build_inputs(prompt, max_tokens=2000, stream=True),
                               enable_empty_final_response=True)
     for _ in range(2):
         result, error = results.get(timeout=60)
         assert error is None and not parse_response(result).final
     client.stop_stream(cancel_requests=True)
+    while (answer := results.get(timeout=30))[1] is None:   # responses already on the way, then the error
+        assert not parse_response(answer[0]).final
+    assert "CANCELLED" in str(answer[1].status())
     client.close()
 
     # the engine aborted the sequence long before its 2000 tokens
     deadline = time.monotonic() + 30
-    while metric(server, "tandem_requests_finished_total", reason="abort") < aborted_before + 1:
+    while metric(server, "tandem_requests_finished_total", "llm", reason="abort") < aborted_before + 1:
         assert time.monotonic() < deadline, "the cancelled request was not aborted in the engine"
         time.sleep(0.1)
-    assert metric(server, "tandem_requests_in_engine") == 0
+    assert metric(server, "tandem_requests_in_engine", "llm") == 0
     assert server.is_ready()
-    after = list(stream_generate(server.grpc_url, "x = 1", max_tokens=3, stream=True, timeout_s=60))
+    after = list(stream_generate(server.grpc_url, "x = 1", model=MODEL, max_tokens=3, stream=True, timeout_s=60))
     assert after[-1].final
 
 
-def test_concurrent_streams_each_get_their_own_tokens(server):
-    prompts = ["def a():", "import sys", "class B:"]
-    expected = {p: list(stream_generate(server.grpc_url, p, max_tokens=6, temperature=0.0, timeout_s=60))
-                for p in prompts}
-
+def test_concurrent_streams_each_get_their_own_tokens(server, reference):
     import tritonclient.grpc as grpcclient
+
+    prompts = ["def a():", "import sys", "class B:"]
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     for i, p in enumerate(prompts):
-        client.async_stream_infer("tandem", build_inputs(p, max_tokens=6, temperature=0.0), request_id=str(i),
+        client.async_stream_infer(MODEL, build_inputs(p, max_tokens=6, temperature=0.0), request_id=str(i),
                                   enable_empty_final_response=True)
     texts, done = {i: "" for i in range(len(prompts))}, set()
     while len(done) < len(prompts):
@@ -170,14 +205,13 @@ def test_concurrent_streams_each_get_their_own_tokens(server):
             done.add(rid)
     client.stop_stream()
     client.close()
-    for i, p in enumerate(prompts):
-        assert texts[i] == "".join(r.text for r in expected[p])
+    assert [texts[i] for i in range(len(prompts))] == [greedy(reference, p, 6).text for p in prompts]
 
 
 def test_cli_generate_prints_json_lines(server):
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.client.cli", "generate", "def g():", "--url", server.grpc_url,
-         "--stream", "--json", "--max-tokens", "3", "--temperature", "0"],
+         "--model-name", MODEL, "--stream", "--json", "--max-tokens", "3", "--temperature", "0"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -187,17 +221,21 @@ def test_cli_generate_prints_json_lines(server):
 def test_zz_stop_leaves_no_process_behind(server):
     """Runs last in this module: it stops the shared server."""
     pid = server.process.pid
-    assert stub_processes(server.run_dir), "expected a running Python backend stub"
+    assert len(stub_processes(server.run_dir)) == 3      # preprocess, llm, postprocess
     server.stop()
     assert stub_processes(server.run_dir) == []
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert not server.is_ready()
+    # every model unloaded: no cancelled request was left in flight
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
+    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
+    assert log.count("successfully unloaded") == len(MODES["colocated"])
 
 
 def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint),
+        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--mode", "colocated",
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--threads", "1",
          "--run-dir", str(tmp_path / "run"), "--log-file", str(tmp_path / "server.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -208,6 +246,7 @@ def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):
             if line.startswith("Ctrl-C to stop."):
                 break
         assert any(f"127.0.0.1:{ports[1]}" in line for line in lines), "".join(lines)
+        assert any(line.split()[:2] == ["ensemble", MODEL] for line in lines), "".join(lines)
         assert stub_processes(tmp_path / "run")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -1,4 +1,5 @@
-"""The tandem Triton model without a server.
+"""Tandem's Triton models without a server: the request parsers, the llm model's
+streams, postprocess, and cancellation from postprocess back to the engine model.
 
 ``triton_python_backend_utils`` only exists inside the Python backend stub, so
 (as TensorRT-LLM's tests do) a stand-in module replaces it, and a fake engine
@@ -12,13 +13,16 @@ import math
 import sys
 import time
 import types
+import uuid
 
 import numpy as np
 import pytest
 
 from tandem.backends.triton.generate_request import (
-    RequestError, output_arrays, parse_generate_request)
-from tandem.backends.triton.settings import EngineSettings
+    RequestError, check_context, output_arrays, parse_generate_request, parse_token_request, token_output_arrays)
+from tandem.backends.triton.settings import EngineSettings, model_limits
+
+VOCAB, CONTEXT = 100, 64    # the fake checkpoint's (see ckpt_dir)
 
 FINAL = 1
 
@@ -87,17 +91,25 @@ class TritonModelException(Exception):
 class MetricFamily:
     COUNTER, GAUGE = "COUNTER", "GAUGE"
     values: dict[tuple, float] = {}
+    busy: list[bool] = [False]
+    overlaps: list[int] = [0]      # updates that ran while another was under way
 
     def __init__(self, name, description, kind):
         self.name = name
 
     def Metric(self, labels):
         key = (self.name, tuple(sorted(labels.items())))
-        family_values = MetricFamily.values
+        family_values, busy, overlaps = MetricFamily.values, MetricFamily.busy, MetricFamily.overlaps
 
         class _Metric:
+            # the real one releases the GIL and rewrites a shared-memory message: one at a time
             def increment(self, value):
+                if busy[0]:
+                    overlaps[0] += 1
+                busy[0] = True
+                time.sleep(0.0002)
                 family_values[key] = family_values.get(key, 0) + value
+                busy[0] = False
 
             def set(self, value):
                 family_values[key] = value
@@ -105,7 +117,7 @@ class MetricFamily:
 
 
 def metric(name, **labels):
-    labels = {"model": "tandem", "version": "1", **labels}
+    labels = {"model": "llm", "version": "1", **labels}
     return MetricFamily.values.get((name, tuple(sorted(labels.items()))), 0)
 
 
@@ -114,7 +126,7 @@ def _stand_in_pb_utils() -> types.ModuleType:
     m.Tensor, m.TritonError, m.InferenceResponse = Tensor, TritonError, InferenceResponse
     m.TritonModelException = TritonModelException
     m.MetricFamily = MetricFamily
-    MetricFamily.values = {}
+    MetricFamily.values, MetricFamily.busy, MetricFamily.overlaps = {}, [False], [0]
     m.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     m.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
     m.using_decoupled_model_transaction_policy = lambda cfg: cfg.get(
@@ -127,7 +139,7 @@ def _stand_in_pb_utils() -> types.ModuleType:
 # ---- a fake engine ----------------------------------------------------------------
 class FakeTokenizer:
     def get_vocab_size(self):
-        return 100
+        return VOCAB
 
 
 class FakeEngine:
@@ -136,7 +148,7 @@ class FakeEngine:
     def __init__(self, model_dir, **kwargs):
         self.model_dir, self.kwargs = model_dir, kwargs
         self.tokenizer = FakeTokenizer()
-        self.submitted: list[tuple[str, object, object]] = []
+        self.submitted: list[tuple[list[int], object, object]] = []
         self.aborted: list[str] = []
         self.started = self.stopped = False
         self.reject: str | None = None
@@ -160,7 +172,7 @@ class FakeEngine:
         self.stopped = True
 
     def emit(self, index, texts, reason="length", prompt_tokens=3):
-        """Deliver one output per text; the last finishes with ``reason``."""
+        """Deliver one output per text (token id 10 + i); the last finishes with ``reason``."""
         _, _, on_output = self.submitted[index]
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
@@ -170,16 +182,39 @@ class FakeEngine:
                 num_output_tokens=i + 1))
 
 
-def model_config(decoupled=True, **params):
-    params = {"model_dir": "/ckpt", "torch_threads": "1", "cancel_poll_ms": "5", **params}
-    return {"name": "tandem", "model_transaction_policy": {"decoupled": decoupled},
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """A checkpoint directory with only the config.json the models read their limits from."""
+    d = tmp_path_factory.mktemp("ckpt")
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": CONTEXT}))
+    return d
+
+
+def model_config(model_dir="/ckpt", decoupled=True, **params):
+    params = {"model_dir": model_dir, "torch_threads": "1", "cancel_poll_ms": "5", **params}
+    return {"name": "llm", "model_transaction_policy": {"decoupled": decoupled},
             "parameters": {k: {"string_value": str(v)} for k, v in params.items()}}
 
 
+def model_args(model_dir):
+    # a fresh instance name: each model binds its own cancel socket
+    return {"model_config": json.dumps(model_config(str(model_dir))), "model_name": "llm", "model_version": "1",
+            "model_instance_name": f"llm_{uuid.uuid4().hex[:8]}"}
+
+
 @pytest.fixture
-def model_cls(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_pb_utils())
-    monkeypatch.delitem(sys.modules, "tandem.backends.triton.llm_model", raising=False)
+def pb_utils(monkeypatch):
+    m = _stand_in_pb_utils()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", m)
+    for name in ("llm_model", "postprocess_model"):
+        monkeypatch.delitem(sys.modules, f"tandem.backends.triton.{name}", raising=False)
+    return m
+
+
+@pytest.fixture
+def model_cls(pb_utils, monkeypatch):
     import tandem.backends.engine.async_engine as async_engine
     monkeypatch.setattr(async_engine, "AsyncEngine", FakeEngine)
     from tandem.backends.triton.llm_model import TritonPythonModel
@@ -187,27 +222,40 @@ def model_cls(monkeypatch):
 
 
 @pytest.fixture
-def model(model_cls):
+def model(model_cls, ckpt_dir):
     import torch
     threads = torch.get_num_threads()
     m = model_cls()
-    m.initialize({"model_config": json.dumps(model_config()), "model_name": "tandem", "model_version": "1"})
+    m.initialize(model_args(ckpt_dir))
     yield m
     m.finalize()
     torch.set_num_threads(threads)
 
 
-def text_request(text="def f():", **extra):
-    inputs = {"text_input": np.array([[text.encode()]], dtype=object)}
-    types_ = {"max_tokens": np.int32, "top_k": np.int32, "end_id": np.int32, "temperature": np.float32,
-              "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64, "stream": np.bool_,
-              "exclude_input_in_output": np.bool_}
+TYPES = {"max_tokens": np.int32, "top_k": np.int32, "end_id": np.int32, "temperature": np.float32,
+         "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64, "stream": np.bool_,
+         "exclude_input_in_output": np.bool_}
+
+
+def arrays(**extra):
+    """Request tensors with the batch dimension, typed as the configs declare them."""
+    out = {}
     for k, v in extra.items():
         if k == "stop_words":
-            inputs[k] = np.array([[w.encode() for w in v]], dtype=object)
+            out[k] = np.array([[w.encode() for w in v]], dtype=object)
+        elif k == "input_ids":
+            out[k] = np.array([list(v)], dtype=np.int32)
+        elif k in ("text_input", "text_output", "finish_reason", "cancel_token", "prompt_echo"):
+            out[k] = np.array([[v if isinstance(v, bytes) else v.encode()]], dtype=object)
+        elif k in ("num_input_tokens", "num_output_tokens"):
+            out[k] = np.array([[v]], dtype=np.uint32)
         else:
-            inputs[k] = np.array([[v]], dtype=types_[k])
-    return Request(**inputs)
+            out[k] = np.array([[v]], dtype=TYPES[k])
+    return out
+
+
+def token_request(ids=(5, 6, 7), **extra):
+    return Request(**arrays(input_ids=ids, **extra))
 
 
 def outputs(sender):
@@ -243,26 +291,66 @@ def test_defaults_are_documented_ones():
     assert (req.seed, req.stop_words, req.end_id, req.exclude_input_in_output) == (None, [], None, False)
 
 
-@pytest.mark.parametrize("field,value,dtype,allowed", [
-    ("text_input", b"", object, "non-empty"),
-    ("text_input", b"\xff\xfe", object, "UTF-8"),
+BAD_SAMPLING = [
     ("max_tokens", 0, np.int32, ">= 1"),
     ("max_tokens", -5, np.int32, ">= 1"),
     ("temperature", -0.5, np.float32, ">= 0"),
     ("temperature", math.nan, np.float32, ">= 0"),
     ("temperature", math.inf, np.float32, ">= 0"),
-    ("top_p", 1.5, np.float32, "[0, 1]"),
-    ("top_p", -0.1, np.float32, "[0, 1]"),
+    ("top_p", 1.5, np.float32, "(0, 1]"),
+    ("top_p", 0.0, np.float32, "(0, 1]"),
+    ("top_p", -0.1, np.float32, "(0, 1]"),
     ("top_k", -1, np.int32, ">= 0"),
     ("end_id", 100, np.int32, "[0, 99]"),
     ("end_id", -1, np.int32, ">= 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,dtype,allowed", [
+    ("text_input", b"", object, "non-empty"),
+    ("text_input", b"\xff\xfe", object, "UTF-8"),
+    *BAD_SAMPLING,
 ])
 def test_bad_field_is_named_with_allowed_values(field, value, dtype, allowed):
     inputs = {"text_input": np.array([[b"hi"]], dtype=object), field: np.array([[value]], dtype=dtype)}
     with pytest.raises(RequestError) as err:
-        parse_generate_request(inputs.get, vocab_size=100)
+        parse_generate_request(inputs.get, vocab_size=VOCAB)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}: ") and allowed in str(err.value)
+
+
+@pytest.mark.parametrize("field,value,dtype,allowed", BAD_SAMPLING)
+def test_token_requests_share_the_sampling_checks(field, value, dtype, allowed):
+    inputs = {"input_ids": np.array([[1, 2]], dtype=np.int32), field: np.array([[value]], dtype=dtype)}
+    with pytest.raises(RequestError) as err:
+        parse_token_request(inputs.get, VOCAB, CONTEXT)
+    assert err.value.field == field and allowed in str(err.value)
+
+
+@pytest.mark.parametrize("ids,message", [
+    (np.zeros((1, 0), dtype=np.int32), "input_ids: is empty"),
+    (np.array([[1, 100]], dtype=np.int32), r"input_ids: token id 100 is not in the vocabulary; allowed: ids in \[0, 99\]"),
+    (np.array([[-1]], dtype=np.int32), "input_ids: token id -1 is not in the vocabulary"),
+    (np.array([[1.0, 2.0]], dtype=np.float32), "input_ids: has type float32; allowed: INT32"),
+    (np.array([[1, 2], [3, 4]], dtype=np.int32), r"input_ids: expected one sequence of shape \[1, n\], got shape \[2, 2\]"),
+    (np.ones((1, CONTEXT), dtype=np.int32), f"input_ids: has {CONTEXT} tokens; the context is {CONTEXT} tokens"),
+    (None, "input_ids: is required"),
+])
+def test_bad_input_ids_are_named(ids, message):
+    with pytest.raises(RequestError, match=f"^{message}"):
+        parse_token_request({"input_ids": ids}.get, VOCAB, CONTEXT)
+
+
+def test_max_tokens_must_fit_the_context_left_by_the_prompt():
+    inputs = arrays(input_ids=range(60), max_tokens=5)
+    with pytest.raises(RequestError, match=r"^max_tokens: got 5; the prompt has 60 tokens of a 64-token "
+                                           r"context; allowed: <= 4$"):
+        parse_token_request(inputs.get, VOCAB, CONTEXT)
+    assert parse_token_request(arrays(input_ids=range(60), max_tokens=4).get, VOCAB, CONTEXT).prompt == \
+        list(range(60))
+    check_context(63, 1, CONTEXT, "text_input")
+    with pytest.raises(RequestError, match="^text_input: has 64 tokens"):
+        check_context(64, 1, CONTEXT, "text_input")
 
 
 def test_missing_text_and_batched_text_are_rejected():
@@ -275,24 +363,26 @@ def test_missing_text_and_batched_text_are_rejected():
 def test_tensorrt_llm_conventions():
     req = parse_generate_request(_get(
         text_input=np.array([[b"hi"]], dtype=object),
-        top_p=np.array([[0.0]], dtype=np.float32),             # 0 disables nucleus filtering
         random_seed=np.array([[7]], dtype=np.uint64),          # TensorRT-LLM's name for seed
         stop_words=np.array([[b"\n\n", b"", b"def"]], dtype=object),  # "" pads ragged lists
         end_id=np.array([[5]], dtype=np.int32)))
-    assert (req.top_p, req.seed, req.stop_words, req.end_id) == (1.0, 7, ["\n\n", "def"], 5)
+    assert (req.seed, req.stop_words, req.end_id) == (7, ["\n\n", "def"], 5)
     params = req.sampling_params()
     assert params.stop_token_ids == [5] and params.ignore_eos  # end_id replaces EOS
     assert params.stop == ["\n\n", "def"] and params.seed == 7
 
 
 def test_output_arrays_have_a_batch_dimension():
-    arrays = output_arrays("hé", "stop", 3, 2)
-    assert {k: v.shape for k, v in arrays.items()} == {k: (1, 1) for k in arrays}
-    assert arrays["text_output"][0, 0].decode() == "hé"
-    assert arrays["num_input_tokens"].dtype == np.uint32
+    arrays_ = output_arrays("hé", "stop", 3, 2)
+    assert {k: v.shape for k, v in arrays_.items()} == {k: (1, 1) for k in arrays_}
+    assert arrays_["text_output"][0, 0].decode() == "hé"
+    assert arrays_["num_input_tokens"].dtype == np.uint32
+    tokens = token_output_arrays([4, 5], "ab", None, 3, 2)
+    assert tokens["output_ids"].dtype == np.int32 and tokens["output_ids"].tolist() == [[4, 5]]
+    assert token_output_arrays([], "", "abort", 3, 0)["output_ids"].shape == (1, 0)
 
 
-def test_settings_from_config():
+def test_settings_from_config(ckpt_dir):
     s = EngineSettings.from_model_config(model_config(page_size=32, kv_layout="NHD", num_pages=0))
     assert (s.page_size, s.kv_layout, s.engine_num_pages, s.threads) == (32, "NHD", None, 1)
     unrendered = EngineSettings.from_model_config(model_config(dtype="${dtype}"))
@@ -303,13 +393,14 @@ def test_settings_from_config():
         EngineSettings.from_model_config(model_config(page_size="big"))
     with pytest.raises(ValueError, match="model_dir is required"):
         EngineSettings.from_model_config({"parameters": {}})
+    assert model_limits(ckpt_dir) == (VOCAB, CONTEXT)
 
 
-# ---- the model ------------------------------------------------------------------------
-def test_initialize_configures_engine_and_threads(model):
+# ---- the llm model --------------------------------------------------------------------
+def test_initialize_configures_engine_and_threads(model, ckpt_dir):
     import torch
     engine = FakeEngine.instances[-1]
-    assert engine.started and engine.model_dir == "/ckpt"
+    assert engine.started and engine.model_dir == str(ckpt_dir)
     assert engine.kwargs == dict(dtype="float32", page_size=16, kv_layout="HND", num_pages=None,
                                  max_num_seqs=64, max_num_batched_tokens=512, speculative=None)
     assert torch.get_num_threads() == 1
@@ -327,68 +418,80 @@ def test_speculation_settings_reach_the_engine():
         EngineSettings.from_model_config(cfg)
 
 
-def test_not_decoupled_is_refused(model_cls):
-    with pytest.raises(TritonModelException, match="decoupled"):
-        model_cls().initialize({"model_config": json.dumps(model_config(decoupled=False))})
+def test_not_decoupled_is_refused(model_cls, ckpt_dir):
+    with pytest.raises(TritonModelException, match="'llm' streams tokens and must be decoupled"):
+        model_cls().initialize({"model_config": json.dumps(model_config(str(ckpt_dir), decoupled=False)),
+                                "model_name": "llm"})
 
 
-def test_streaming_sends_one_response_per_step_then_final(model):
-    request = text_request(stream=True, max_tokens=3, temperature=0.0)
+def test_streaming_sends_token_ids_and_text_per_step_then_final(model):
+    request = token_request(stream=True, max_tokens=3, temperature=0.0)
     assert model.execute([request]) is None
     engine = FakeEngine.instances[-1]
     prompt, params, _ = engine.submitted[0]
-    assert prompt == "def f():" and params.max_tokens == 3 and params.temperature == 0.0
+    assert prompt == [5, 6, 7] and params.max_tokens == 3 and params.temperature == 0.0
     engine.emit(0, [" a", " b", " c"], reason="length")
     sent = outputs(request.sender)
-    assert texts(request.sender) == [" a", " b", " c"]  # the prompt is never streamed
+    assert texts(request.sender) == [" a", " b", " c"]
+    assert [o["output_ids"].tolist() for o, _ in sent] == [[[10]], [[11]], [[12]]]
     assert [bool(flags & FINAL) for _, flags in sent] == [False, False, True]
     assert [o["finish_reason"][0, 0] for o, _ in sent] == [b"", b"", b"length"]
     assert [int(o["num_output_tokens"][0, 0]) for o, _ in sent] == [1, 2, 3]
     assert int(sent[-1][0]["num_input_tokens"][0, 0]) == 3
+    tokens = {o["cancel_token"][0, 0] for o, _ in sent}
+    assert len(tokens) == 1 and tokens.pop().startswith(b"llm_")  # one token per sequence
     assert metric("tandem_requests_in_engine") == 0
     assert metric("tandem_requests_finished_total", reason="length") == 1
 
 
-@pytest.mark.parametrize("exclude", [False, True])
-def test_non_streaming_sends_the_whole_text_once(model, exclude):
-    request = text_request("x = ", exclude_input_in_output=exclude)
+def test_non_streaming_sends_every_token_once_without_the_prompt(model):
+    request = token_request()
     model.execute([request])
     FakeEngine.instances[-1].emit(0, ["1", "", "2"], reason="stop")
     (out, flags), = outputs(request.sender)
     assert flags & FINAL
-    assert texts(request.sender) == ["12" if exclude else "x = 12"]
+    assert texts(request.sender) == ["12"]    # the prompt echo is postprocess's business
+    assert out["output_ids"].tolist() == [[10, 11, 12]]
     assert out["finish_reason"][0, 0] == b"stop"
 
 
-def test_bad_input_gets_an_error_response_and_never_reaches_the_engine(model):
-    request = text_request(max_tokens=0)
+@pytest.mark.parametrize("inputs,message", [
+    (dict(max_tokens=0), "max_tokens: got 0; allowed: an integer >= 1"),
+    (dict(input_ids=[]), "input_ids: is empty; allowed: a non-empty list of token ids"),
+    (dict(input_ids=[1, VOCAB]), f"input_ids: token id {VOCAB} is not in the vocabulary; "
+                                 f"allowed: ids in [0, {VOCAB - 1}]"),
+    (dict(input_ids=[1] * 60, max_tokens=10), "max_tokens: got 10; the prompt has 60 tokens of a 64-token "
+                                              "context; allowed: <= 4"),
+])
+def test_bad_input_gets_an_error_response_and_never_reaches_the_engine(model, inputs, message):
+    request = Request(**arrays(**{"input_ids": (5, 6), **inputs}))
     model.execute([request])
     error = the_error(request.sender)
     assert error.code() == TritonError.INVALID_ARG
-    assert error.message() == "max_tokens: got 0; allowed: an integer >= 1"
+    assert error.message() == message
     assert FakeEngine.instances[-1].submitted == []
     assert metric("tandem_requests_finished_total", reason="rejected") == 1
 
 
 def test_engine_rejection_is_returned_as_error(model):
-    FakeEngine.instances[-1].reject = "prompt (9 tokens) + max_tokens (9000) exceeds the context"
-    request = text_request(max_tokens=9000)
+    FakeEngine.instances[-1].reject = "request needs 9 KV pages (40 tokens), the pool has 4"
+    request = token_request(max_tokens=30)
     model.execute([request])
-    assert "exceeds the context" in the_error(request.sender).message()
+    assert "KV pages" in the_error(request.sender).message()
     assert metric("tandem_requests_in_engine") == 0
 
 
 def test_one_bad_request_does_not_affect_the_others(model):
-    good, bad = text_request(stream=True), text_request("")
+    good, bad = token_request(stream=True), token_request(())
     model.execute([bad, good])
     FakeEngine.instances[-1].emit(0, ["ok"])
-    assert "text_input" in the_error(bad.sender).message()
+    assert "input_ids" in the_error(bad.sender).message()
     assert texts(good.sender) == ["ok"] and good.sender.final
 
 
 def test_cancelled_request_gets_final_and_is_aborted(model):
     engine = FakeEngine.instances[-1]
-    request = text_request(stream=True, max_tokens=100)
+    request = token_request(stream=True, max_tokens=50)
     model.execute([request])
     _, _, on_output = engine.submitted[0]
     on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
@@ -408,16 +511,17 @@ def test_cancelled_request_gets_final_and_is_aborted(model):
 
 def test_finished_requests_are_not_polled(model):
     engine = FakeEngine.instances[-1]
-    request = text_request()
+    request = token_request()
     model.execute([request])
     engine.emit(0, ["done"])
     request.cancelled = True  # after the fact: nothing more may be sent, nothing aborted
     time.sleep(0.05)
     assert engine.aborted == [] and len(request.sender.sent) == 1
+    assert len(model.in_flight) == 0
 
 
 def test_engine_failure_ends_the_stream_with_an_error(model):
-    request = text_request(stream=True)
+    request = token_request(stream=True)
     model.execute([request])
     FakeEngine.instances[-1].emit(0, ["a", ""], reason="error")
     assert texts(request.sender) == ["a"]
@@ -425,16 +529,189 @@ def test_engine_failure_ends_the_stream_with_an_error(model):
     assert flags & FINAL and response.error.code() == TritonError.INTERNAL
 
 
-def test_finalize_ends_open_streams_and_stops_the_engine(model_cls):
+def test_metrics_are_updated_one_at_a_time(model):
+    """Execute and engine threads update the same metrics; the Python backend's metric
+    updates are not thread-safe (concurrent ones crashed the server)."""
+    import threading
+
+    def updates(fn):
+        for _ in range(100):
+            fn()
+    threads = [threading.Thread(target=updates, args=(model.metrics.submitted,)),
+               threading.Thread(target=updates, args=(lambda: model.metrics.engine_finished("length"),))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert MetricFamily.overlaps[0] == 0
+    assert metric("tandem_requests_in_engine") == 0 and metric("tandem_requests_finished_total", reason="length") == 100
+
+
+def test_finalize_ends_open_streams_and_stops_the_engine(model_cls, ckpt_dir):
     m = model_cls()
-    m.initialize({"model_config": json.dumps(model_config())})
+    m.initialize(model_args(ckpt_dir))
     engine = FakeEngine.instances[-1]
-    request = text_request(stream=True)
+    request = token_request(stream=True)
     m.execute([request])
     m.finalize()
     assert engine.stopped and engine.aborted == ["req-0"]
     response, flags = request.sender.sent[-1]
     assert flags & FINAL and response.error.code() == TritonError.UNAVAILABLE
+
+
+# ---- postprocess, and cancellation through an ensemble ----------------------------------
+def reply(**extra):
+    """An engine reply as postprocess receives it."""
+    return arrays(text_output=" b", finish_reason="", num_input_tokens=3, num_output_tokens=1, **extra)
+
+
+@pytest.mark.parametrize("stream,exclude,echo", [
+    (None, None, "a ="),        # the defaults: not streaming, prompt included (TensorRT-LLM)
+    (False, False, "a ="),
+    (False, True, ""),
+    (True, False, ""),          # streaming never repeats the prompt
+    (True, True, ""),
+])
+def test_the_prompt_is_echoed_only_in_a_whole_non_streaming_text(stream, exclude, echo):
+    from tandem.backends.triton.postprocess import prompt_echo
+
+    flags = {k: v for k, v in (("stream", stream), ("exclude_input_in_output", exclude)) if v is not None}
+    assert prompt_echo(parse_generate_request(arrays(text_input="a =", **flags).get)) == echo
+    assert prompt_echo(parse_token_request(arrays(input_ids=[1], **flags).get, VOCAB, CONTEXT)) == ""
+
+
+def test_postprocess_puts_the_relayed_echo_first():
+    from tandem.backends.triton.postprocess import ensemble_outputs
+
+    out = ensemble_outputs(reply(prompt_echo="a =").get)
+    assert out["text_output"][0, 0].decode() == "a = b"
+    assert set(out) == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert (out["finish_reason"][0, 0], int(out["num_output_tokens"][0, 0])) == (b"", 1)
+    assert ensemble_outputs(reply(prompt_echo="").get)["text_output"][0, 0] == b" b"
+
+
+def test_postprocess_passes_token_ids_on_and_needs_no_echo():
+    from tandem.backends.triton.postprocess import ensemble_outputs
+
+    out = ensemble_outputs(reply().get)   # tandem_tokens: no echo
+    assert out["text_output"][0, 0] == b" b" and "output_ids" not in out
+    out = ensemble_outputs({**reply(), "output_ids": np.array([[7, 8]], dtype=np.int32)}.get)
+    assert out["output_ids"].tolist() == [[7, 8]]
+    with pytest.raises(RequestError, match="^text_output: is required"):
+        ensemble_outputs({}.get)
+
+
+def test_cancel_channel_delivers_only_issued_well_formed_tokens():
+    from tandem.backends.triton.cancel_channel import CancelListener, send_cancel
+
+    got = []
+    pid = 10**9 + uuid.uuid4().int % 10**6      # no real server: a pid of our own
+    listener = CancelListener("decode_0_0.1", got.append, server_pid=pid)
+    try:
+        nonce, token = listener.new_token()
+        assert token == f"decode_0_0.1/{nonce}".encode() and len(nonce) == 32
+        assert send_cancel(token, server_pid=pid)
+        wait_for(lambda: got == [nonce])
+        for bad in (b"", b"decode_0_0.1/xyz", b"../x/" + nonce.encode(), token + b"\n"):
+            assert not send_cancel(bad, server_pid=pid)
+        assert not send_cancel(token, server_pid=pid + 1)       # no listener there
+        import socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:  # garbage is dropped
+            s.sendto(b"\x00" * 40, f"\0tandem-cancel-{pid}-decode_0_0.1")
+        assert send_cancel(token, server_pid=pid)
+        wait_for(lambda: got == [nonce, nonce])
+    finally:
+        listener.close()
+    with pytest.raises(ValueError, match="cancel endpoint"):
+        CancelListener("a/b", got.append, server_pid=pid)
+
+
+def test_cancellation_is_never_asked_while_or_after_the_final_reply_goes_out():
+    """The Python backend frees a decoupled request's response factory with its final
+    response; ``is_cancelled()`` after that crashed the server (use after free)."""
+    import threading
+
+    from tandem.backends.triton.generate_request import GenerateRequest
+    from tandem.backends.triton.response_stream import ResponseStream
+
+    sending, release = threading.Event(), threading.Event()
+
+    def slow_send(reply):
+        sending.set()
+        release.wait(5)
+
+    stream = ResponseStream(GenerateRequest([1], stream=True), slow_send)
+    asked = []
+    assert stream.client_cancelled(lambda: asked.append(1) or False) is False and asked == [1]
+    final = threading.Thread(target=stream.fail, args=("boom",))
+    final.start()
+    sending.wait(5)
+    answer = []
+    poll = threading.Thread(target=lambda: answer.append(stream.client_cancelled(lambda: asked.append(2))))
+    poll.start()
+    time.sleep(0.05)
+    assert answer == []              # waits for the final send to finish
+    release.set()
+    final.join(5)
+    poll.join(5)
+    assert answer == [False] and asked == [1]
+
+
+def test_in_flight_applies_a_cancellation_that_comes_before_submit_returns():
+    from tandem.backends.triton.generate_request import GenerateRequest
+    from tandem.backends.triton.in_flight import InFlight
+    from tandem.backends.triton.response_stream import ResponseStream
+
+    engine = FakeEngine("/x")
+    in_flight = InFlight(engine, poll_s=0.005)
+    try:
+        sent = []
+        early = ResponseStream(GenerateRequest([1], stream=True), sent.append)
+        in_flight.add("k1", Request(), early)
+        assert in_flight.cancel("k1") and early.closed and sent[-1].code == "CANCELLED"
+        assert engine.aborted == []                  # no engine request id yet
+        in_flight.started("k1", "req-7")
+        assert engine.aborted == ["req-7"] and len(in_flight) == 0
+        assert not in_flight.cancel("k1") and not in_flight.cancel("unknown")
+
+        late = ResponseStream(GenerateRequest([1], stream=True), sent.append)
+        in_flight.add("k2", Request(), late)
+        in_flight.started("k2", "req-8")
+        assert in_flight.cancel("k2") and engine.aborted == ["req-7", "req-8"]
+    finally:
+        in_flight.close("bye")
+
+
+def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(model, pb_utils):
+    """Triton cancels the postprocess step that follows a cancelled ensemble, not the engine
+    step in flight: postprocess must hand the reply's cancel token back to the llm model."""
+    from tandem.backends.triton.postprocess_model import TritonPythonModel as Postprocess
+
+    engine = FakeEngine.instances[-1]
+    request = token_request(stream=True, max_tokens=50, prompt_echo="x: ")
+    model.execute([request])
+    _, _, on_output = engine.submitted[0]
+    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
+                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    (out, _), = outputs(request.sender)
+    assert out["prompt_echo"][0, 0] == b"x: "      # relayed unread
+
+    post = Postprocess()
+    step = Request(**{k: out[k] for k in ("text_output", "finish_reason", "num_input_tokens",
+                                          "num_output_tokens", "cancel_token", "prompt_echo")})
+    (response,) = post.execute([step])
+    assert response.error is None and response.outputs["text_output"][0, 0] == b"x:  a"
+
+    step.cancelled = True            # the ensemble's client cancelled
+    (response,) = post.execute([step])
+    # answered normally: a failing step while decode streams would leak the ensemble request
+    assert response.error is None
+    wait_for(lambda: engine.aborted == ["req-0"])
+    last, flags = request.sender.sent[-1]
+    assert flags & FINAL and last is None      # the bare final flag, no error
+    assert not request.cancelled     # the engine step itself never saw a cancellation
+    (response,) = post.execute([step])         # a late reply's token is no longer known
+    assert response.error is None and engine.aborted == ["req-0"]
 
 
 def test_only_backends_triton_imports_pb_utils():

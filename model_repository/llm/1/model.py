@@ -1,3 +1,3 @@
-"""Triton entry point for the ``tandem`` model; the code lives in tandem.backends.triton."""
+"""Triton entry point for the ``llm`` model; the code lives in tandem.backends.triton."""
 
 from tandem.backends.triton.llm_model import TritonPythonModel  # noqa: F401

@@ -1,0 +1,128 @@
+"""An engine model's open streams and their cancellation, without Triton.
+
+A stream is cancelled in one of two ways:
+
+- its own Triton request reports ``is_cancelled()`` (the client called the model
+  directly): a watcher thread polls the open requests, and only while there are
+  any, so an idle instance uses no CPU;
+- postprocess reports its cancel token (the client cancelled an ensemble, which
+  Triton does not pass on to the step in flight; see :mod:`.cancel_channel`):
+  :meth:`InFlight.cancel` by the stream's key, with ``notify=False``.
+
+Either way the engine aborts the sequence and the stream sends its final reply: a
+CANCELLED error to a client of the model itself, but the bare final flag to an
+ensemble. Triton 2.51 never releases an ensemble request one of whose steps fails
+while another step is still in flight (later responses skip its in-flight count), and
+postprocess steps for earlier tokens may still be running; the ensemble's client
+already got its CANCELLED from the cancelled call.
+
+A stream is registered before it is submitted (its replies carry the key from the
+first token on), so a cancellation that arrives before ``submit`` returns is applied
+once the engine request id is known (:meth:`InFlight.started`).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from .response_stream import ResponseStream
+
+
+@dataclass(slots=True)
+class _Entry:
+    request: object             # the Triton request (``is_cancelled()``)
+    stream: ResponseStream
+    rid: str | None = None      # the engine's request id, once submitted
+    cancelled: bool = False
+
+
+class InFlight:
+    def __init__(self, engine, poll_s: float):
+        self._engine = engine
+        self._poll_s = poll_s
+        self._entries: dict[str, _Entry] = {}
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._watch, name="tandem-cancel-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, key: str, request, stream: ResponseStream) -> None:
+        """Register a stream before its request is submitted."""
+        with self._cv:
+            self._entries[key] = _Entry(request, stream)
+
+    def started(self, key: str, rid: str) -> None:
+        """The engine accepted the stream's request as ``rid``."""
+        abort = False
+        with self._cv:
+            e = self._entries.get(key)
+            if e is None:       # finished before submit returned
+                return
+            e.rid = rid
+            if e.cancelled or e.stream.closed:
+                del self._entries[key]
+                abort = e.cancelled
+            else:
+                self._cv.notify()
+        if abort:
+            self._engine.abort(rid)
+
+    def discard(self, key: str) -> None:
+        with self._cv:
+            self._entries.pop(key, None)
+
+    def cancel(self, key: str, notify: bool = True) -> bool:
+        """Cancel the stream ``key`` (any thread); False if it is unknown or had ended.
+        ``notify`` False ends it with the bare final flag rather than a CANCELLED error."""
+        with self._cv:
+            e = self._entries.get(key)
+            if e is None:
+                return False
+            e.cancelled = True
+            rid = e.rid
+            if rid is not None:     # else started() aborts it
+                del self._entries[key]
+        if not e.stream.cancel(notify=notify):
+            return False
+        if rid is not None:
+            self._engine.abort(rid)
+        return True
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._entries)
+
+    def _watch(self) -> None:
+        while True:
+            with self._cv:
+                while not self._entries and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            self._poll_once()
+            with self._cv:
+                if not self._stopping:
+                    self._cv.wait(self._poll_s)
+
+    def _poll_once(self) -> None:
+        # A method of its own so that no request object stays referenced from
+        # this thread's locals while it sleeps.
+        with self._cv:
+            snapshot = [(key, e.request, e.stream) for key, e in self._entries.items()]
+        for key, request, stream in snapshot:
+            if stream.closed:
+                self.discard(key)
+            elif stream.client_cancelled(request.is_cancelled):
+                self.cancel(key)
+
+    def close(self, message: str) -> None:
+        """End every open stream with ``message`` and stop the watcher."""
+        with self._cv:
+            self._stopping = True
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._cv.notify_all()
+        for e in entries:
+            if e.stream.fail(message, code="UNAVAILABLE") and e.rid is not None:
+                self._engine.abort(e.rid)
+        self._thread.join(timeout=5)

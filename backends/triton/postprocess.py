@@ -1,0 +1,60 @@
+"""The prompt echo and the ``postprocess`` step's rules, without Triton.
+
+An engine reply (``llm`` or ``decode``: the text delta, finish reason, token counts,
+``output_ids``) becomes one ensemble response. The engine models stream token-level
+replies and never read the prompt's text; the prompt echo of TensorRT-LLM's
+ensemble happens here: a request that is not streamed (one reply with the whole
+text) and does not set ``exclude_input_in_output`` gets text that starts with the
+prompt. Streaming never repeats it.
+
+Triton refuses an ensemble step that takes tensors from a decoupled step *and*
+tensors from before it ("inputs originated from different decoupled models"), so
+postprocess cannot read ``text_input``, ``stream`` or ``exclude_input_in_output``
+itself. ``preprocess`` therefore evaluates :func:`prompt_echo` and the engine model
+relays the result unread (``prompt_echo``) to postprocess, which puts it first.
+
+>>> prompt_echo(GenerateRequest("x =", stream=False))
+'x ='
+>>> reply = {"text_output": np.array([[b" 1"]], dtype=object),
+...          "finish_reason": np.array([[b"length"]], dtype=object),
+...          "num_input_tokens": np.array([[3]], dtype=np.uint32),
+...          "num_output_tokens": np.array([[1]], dtype=np.uint32),
+...          "prompt_echo": np.array([[b"x ="]], dtype=object)}
+>>> ensemble_outputs(reply.get)["text_output"][0, 0]
+b'x = 1'
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .generate_request import GenerateRequest, GetInput, RequestError, as_text, output_arrays, scalar
+
+PROMPT_ECHO = "prompt_echo"     # STRING [1, 1]: preprocess -> llm/decode (relayed) -> postprocess
+
+
+def prompt_echo(request: GenerateRequest) -> str:
+    """The text a response starts with before the generated text (TensorRT-LLM's rule)."""
+    if request.stream or request.exclude_input_in_output or not isinstance(request.prompt, str):
+        return ""
+    return request.prompt
+
+
+def ensemble_outputs(get: GetInput) -> dict[str, np.ndarray]:
+    """The ensemble's outputs for one engine reply; ``output_ids`` passes through when given."""
+    text = as_text(_required(get, "text_output"), "text_output")
+    echo = scalar(get, PROMPT_ECHO)
+    if echo is not None:
+        text = as_text(echo, PROMPT_ECHO) + text
+    outputs = output_arrays(text, as_text(_required(get, "finish_reason"), "finish_reason"),
+                            int(_required(get, "num_input_tokens")), int(_required(get, "num_output_tokens")))
+    ids = get("output_ids")
+    if ids is not None:
+        outputs["output_ids"] = np.asarray(ids, dtype=np.int32).reshape(1, -1)
+    return outputs
+
+
+def _required(get: GetInput, name: str):
+    value = scalar(get, name)
+    if value is None:
+        raise RequestError(name, "is required (an output of the llm or decode model)")
+    return value

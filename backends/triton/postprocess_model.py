@@ -1,0 +1,41 @@
+"""The ``postprocess`` model: an engine reply becomes an ensemble response (the
+prompt echo: :mod:`.postprocess`), and a client's cancellation reaches the engine.
+
+Triton passes an ensemble's cancellation on to the steps it schedules afterwards,
+not to the engine step already streaming; so this step, which runs once per engine
+reply, is where a cancelled request shows. It sends the reply's ``cancel_token`` back
+to the engine model (:mod:`.cancel_channel`), which aborts the sequence and ends its
+stream. It still answers normally: in Triton 2.51 an ensemble step that fails while
+the engine step is in flight leaks the ensemble request (see :mod:`.in_flight`), and
+the client already has its CANCELLED. Not decoupled, one response per request, no
+torch work.
+"""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from .cancel_channel import CANCEL_TOKEN, send_cancel
+from .generate_request import RequestError, scalar
+from .postprocess import ensemble_outputs
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        def get(name: str):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        try:
+            if request.is_cancelled():
+                token = scalar(get, CANCEL_TOKEN)
+                if token is not None and not send_cancel(token):
+                    pb_utils.Logger.log_warn("[postprocess] the engine model of a cancelled request did not "
+                                             "take its cancel token; the sequence runs to its end")
+            outputs = ensemble_outputs(get)
+        except RequestError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
