@@ -160,6 +160,7 @@ class _Layout:
         add("free_stack", np.int32, num_pages)
         add("page_owner", np.int32, num_pages)
         add("page_slot", np.int32, num_pages)
+        add("page_seq", np.int32, num_pages)     # a reserved page's place in its sequence
         add("owner_pid", np.int64, max_owners)
         add("owner_start", np.int64, max_owners)
         for name, dt in (("slot_state", np.uint32), ("slot_error", np.uint32),
@@ -387,6 +388,7 @@ class SharedKVPool:
         pages = self._free_stack[top - n:top][::-1].copy()
         self._page_owner[pages] = owner
         self._page_slot[pages] = slot
+        self._page_seq[pages] = np.arange(n, dtype=np.int32)
         self._hdr[_H_FREE_TOP] = top - n
         return pages.tolist()
 
@@ -524,6 +526,9 @@ class SharedKVPool:
                 raise PoolError(f"reservation {slot}/{generation} is {STATE_NAMES[state]}, "
                                 "not ready")
             pages = np.flatnonzero(self._page_slot == slot)
+            # in the order reserve() handed them out: the sender wrote the sequence's
+            # page j into the descriptor's j-th page, whatever its id
+            pages = pages[np.argsort(self._page_seq[pages], kind="stable")]
             self._page_owner[pages] = self._me
             self._page_slot[pages] = -1
             self._slot_state[slot] = FREE

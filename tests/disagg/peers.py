@@ -60,3 +60,12 @@ def prefill_pages() -> tuple[int, int]:
     """(free, total) pages of the prefill pool."""
     a = _state["prefill"].engine.allocator
     return a.num_free, a.num_pages
+
+
+def prefill_fragment(seed: int = 0) -> None:
+    """Scramble the prefill pool's free list (as after many requests of mixed sizes)."""
+    import random
+    a = _state["prefill"].engine.allocator
+    held = a.alloc(a.num_free)
+    random.Random(seed).shuffle(held)
+    a.free(held)

@@ -123,6 +123,34 @@ def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_
     assert prefill_peer("prefill_pages") == prefill_start_pages
 
 
+def test_fragmented_pools_and_mixed_lengths_keep_every_page_in_place(
+        demo_checkpoint, colocated, make_decode_pool, rx_peer, prefill_peer):
+    """After churn neither side's free pages are in id order: prompts of mixed lengths
+    prefilled together still land page for page where the decoder reads them."""
+    import random
+    expected, ref = colocated
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64)
+    held = pool.alloc(48)
+    random.Random(1).shuffle(held)
+    pool.free(held)
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=16, num_pages=48)
+    prefill_peer("prefill_fragment", 2)
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64)
+    engine.start()
+    try:
+        ids = [ref.tokenize(p) for p in PROMPTS]
+        for _ in range(2):     # the second round runs on pages the first one freed
+            tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer,
+                                                model_dir)
+            assert tokens == expected
+    finally:
+        engine.shutdown()
+    assert pool.stats() == start
+
+
 def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, make_decode_pool,
                                                               rx_peer):
     """No prefill ever comes: the reservation times out, the decoder ends the request

@@ -222,11 +222,6 @@ def test_16_concurrent_streams_with_different_settings(server, reference, first_
     assert any(text != reference(p, 8).text for text, (p, _) in zip(first_batch[1::2], SAMPLED))
 
 
-@pytest.mark.xfail(reason="known bug outside backends/triton: concurrent requests of different prompt lengths get "
-                          "wrong tokens from decode once the shared pool's pages have been recycled (sequential "
-                          "and equal-length requests do not); one suspect: rdma SharedKVPool.claim() returns a "
-                          "reservation's pages sorted by id, not in the order reserve() gave them to prefill",
-                   strict=False)
 def test_a_second_concurrent_run_reproduces_the_first(server, reference, first_batch):
     second = _batch(server, CONCURRENT)
     assert second[0::2] == [reference(p, 8).text for p, _ in GREEDY]

@@ -39,6 +39,20 @@ def test_reservation_lifecycle_and_generations(make_pool):
     assert pool.stats().free == 16 and pool.stats().slots_active == 0
 
 
+def test_claim_hands_pages_over_in_the_order_reserve_gave_them(make_pool):
+    """The sender writes the sequence's j-th page into the descriptor's j-th page id;
+    with a fragmented free list those ids are not ascending, and the decoder's page
+    table must follow the same order."""
+    pool = make_pool([MODEL], num_pages=16, num_slots=2)
+    held = pool.alloc(12)
+    pool.free([held[i] for i in (9, 2, 7, 4, 11)])     # a scrambled free list
+    slot, gen, pages = pool.reserve(5, expected_ops=1, timeout_s=5)
+    assert pages != sorted(pages)
+    pool.add_completed(slot)
+    assert pool.mark_ready(slot, gen, claim_lease_s=5)
+    assert pool.claim(slot, gen) == pages
+
+
 def test_unclaimed_reservation_is_reclaimed_after_its_lease(make_pool):
     pool = make_pool([MODEL], num_pages=8, fail_grace_s=0.0)
     slot, gen, _ = pool.reserve(4, 0, 5)
