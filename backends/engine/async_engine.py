@@ -41,6 +41,11 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def transfer_failures(self) -> dict[str, int]:
+        """Requests whose prompt KV never arrived, by reason code, since start."""
+        return dict(self._pending.failures)
+
     def start(self) -> None:
         self._thread.start()
 

@@ -26,6 +26,10 @@ class TritonPythonModel(_StreamingModel):
                              max_num_batched_tokens=s.max_num_batched_tokens,
                              speculative=s.speculative())
 
+    def _poll_metrics(self) -> None:
+        self.metrics.poll_engine(self.engine.engine, pool=self.pool,
+                                 failures=self.engine.transfer_failures)
+
     def _submit(self, request, parsed, on_output) -> str:
         from tandem.backends.disagg import SharedPoolTicket
         from tandem.rdma import DestinationDescriptor

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
 from .generate_request import RequestError, parse_token_request
+from .metrics import Poller, TransferMetrics
 from .settings import EngineSettings, model_limits
 
 
@@ -26,10 +27,13 @@ class TritonPythonModel:
         from tandem.backends.disagg import open_or_create
         from tandem.rdma import KVReceiver
 
+        name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
-        self.receiver = KVReceiver(self.pool, name="kv_transfer")
+        self.metrics = TransferMetrics(name, version)
+        self.receiver = KVReceiver(self.pool, name="kv_transfer", on_ready=self.metrics.on_ready)
+        self.metrics_poller = Poller(lambda: self.metrics.poll_receiver(self.receiver.stats, self.pool))
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
 
     def execute(self, requests):
@@ -57,8 +61,14 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         receiver, pool = getattr(self, "receiver", None), getattr(self, "pool", None)
+        poller = getattr(self, "metrics_poller", None)
+        if poller is not None:
+            poller.stop()
         if receiver is not None:
             receiver.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()   # while the stub can still talk to the server
+            self.metrics = None
         if pool is not None:
             pool.close()
             pool.unlink()

@@ -33,57 +33,12 @@ import triton_python_backend_utils as pb_utils
 from .cancel_channel import CANCEL_TOKEN, CancelListener
 from .generate_request import TOKEN_OUTPUT_NAMES, RequestError, parse_token_request, scalar, string_array
 from .in_flight import InFlight
+from .metrics import EngineMetrics, Poller
 from .postprocess import PROMPT_ECHO
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-class _Metrics:
-    """Custom metrics on Triton's metrics port (``/metrics``).
-
-    One lock for every update: the Python backend's ``Metric.increment`` releases the
-    GIL and rewrites the metric's shared-memory message, so the execute and engine
-    threads updating one metric at once made the server read a freed message (SIGSEGV
-    in ``triton::core::Metric::Increment``).
-    """
-
-    REASONS = ("stop", "length", "abort", "error", "rejected")
-
-    def __init__(self, model: str, version: str):
-        self._lock = threading.Lock()
-        labels = {"model": model, "version": version}
-        # the families must stay referenced for their metrics to live
-        self.families = [
-            pb_utils.MetricFamily(name="tandem_requests_in_engine",
-                                  description="requests submitted to the engine and not yet finished by it",
-                                  kind=pb_utils.MetricFamily.GAUGE),
-            pb_utils.MetricFamily(name="tandem_requests_finished_total",
-                                  description="requests ended, by finish reason (rejected: invalid input)",
-                                  kind=pb_utils.MetricFamily.COUNTER),
-        ]
-        self.in_engine = self.families[0].Metric(labels=labels)
-        self.finished = {r: self.families[1].Metric(labels={**labels, "reason": r}) for r in self.REASONS}
-
-    def submitted(self) -> None:
-        with self._lock:
-            self.in_engine.increment(1)
-
-    def not_submitted(self) -> None:
-        with self._lock:
-            self.in_engine.increment(-1)
-
-    def engine_finished(self, reason: str | None) -> None:
-        with self._lock:
-            self.in_engine.increment(-1)
-        self.finish(reason or "stop")
-
-    def finish(self, reason: str) -> None:
-        metric = self.finished.get(reason)
-        if metric is not None:
-            with self._lock:
-                metric.increment(1)
 
 
 def _log(level: str, message: str) -> None:
@@ -122,7 +77,8 @@ class TritonPythonModel:
         instance = args.get("model_instance_name", f"{name}_0")
         self.cancel_listener = CancelListener(f"{instance}.{version}",
                                               lambda key: self.in_flight.cancel(key, notify=False))
-        self.metrics = _Metrics(name, version)
+        self.metrics = EngineMetrics(name, version)
+        self.metrics_poller = Poller(self._poll_metrics)
         _log("info", f"engine ready: {s.model_dir} dtype={s.dtype} page_size={s.page_size} "
                      f"kv_layout={s.kv_layout} torch_threads={s.threads}")
 
@@ -131,6 +87,10 @@ class TritonPythonModel:
         from tandem.backends.engine.async_engine import AsyncEngine
 
         return AsyncEngine(s.model_dir, **s.engine_kwargs())
+
+    def _poll_metrics(self) -> None:
+        """Engine counters and KV pages (the decode model adds the shared pool)."""
+        self.metrics.poll_engine(self.engine.engine)
 
     def _submit(self, request, parsed, on_output) -> str:
         """Hand a parsed request to the engine; returns its engine request id."""
@@ -163,10 +123,11 @@ class TritonPythonModel:
         stream = ResponseStream(parsed, lambda reply: _send(sender, reply), relay)
         in_flight, metrics = self.in_flight, self.metrics
 
+        clock = None
+
         def on_output(out) -> None:  # engine thread
             try:
-                if out.finished:
-                    metrics.engine_finished(out.finish_reason)
+                metrics.output(clock, out)
                 stream.on_output(out)
             except Exception as exc:
                 _log("error", f"response failed: {traceback.format_exc()}")
@@ -176,7 +137,7 @@ class TritonPythonModel:
                 in_flight.discard(key)
 
         in_flight.add(key, request, stream)  # before submit: the first reply already carries the token
-        metrics.submitted()  # before submit: the engine may finish the request before it returns
+        clock = metrics.submitted()  # before submit: the engine may finish the request before it returns
         try:
             rid = self._submit(request, parsed, on_output)
         except Exception as exc:
@@ -203,8 +164,13 @@ class TritonPythonModel:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        poller = getattr(self, "metrics_poller", None)
+        if poller is not None:
+            poller.stop()
         # metric objects must die while the stub can still talk to the server: left to
         # interpreter teardown they are destroyed after its IPC is gone and crash the stub
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         self.metrics = None
         gc.collect()
         _log("info", f"finalized in {time.monotonic() - start:.2f} s")

@@ -24,7 +24,10 @@ tandem_kv_transfer_failures_total{reason}      counter    requests whose KV neve
 ``tandem_kv_transfer_seconds`` (histogram: reservation -> all KV arrived).
 
 Polled values (engine counters, pool pages) are refreshed by a :class:`Poller` thread;
-per-request values are recorded as they happen.
+per-request values are recorded as they happen. Every update of one model's metrics
+goes through one lock: the Python backend's ``Metric.increment`` releases the GIL and
+rewrites the metric's shared-memory message, and two threads updating one metric at
+once made the server read a freed message (SIGSEGV in ``triton::core::Metric``).
 """
 from __future__ import annotations
 
@@ -41,8 +44,37 @@ TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 PAGE_STATES = ("free", "reserved", "in_use")
 
-_KINDS = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
-          "histogram": pb_utils.MetricFamily.HISTOGRAM}
+
+
+def _kind(name: str):
+    # read at use: the stub attaches MetricFamily to pb_utils after our modules import
+    return getattr(pb_utils.MetricFamily, name.upper())
+
+
+class _Locked:
+    """A metric whose updates hold the model's metrics lock; after the registry closed
+    (the model finalizes) updates do nothing."""
+
+    __slots__ = ("_m", "_lock")
+
+    def __init__(self, metric, lock: threading.Lock):
+        self._m, self._lock = metric, lock
+
+    def increment(self, value: float) -> None:
+        if value:
+            with self._lock:
+                if self._m is not None:
+                    self._m.increment(value)
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            if self._m is not None:
+                self._m.set(value)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            if self._m is not None:
+                self._m.observe(value)
 
 
 class _Registry:
@@ -53,25 +85,37 @@ class _Registry:
     def __init__(self, model: str, version: str):
         self.labels = {"model": model, "version": version}
         self._families: dict[str, object] = {}
-        self._metrics: dict[tuple, object] = {}
+        self._metrics: dict[tuple, _Locked] = {}
+        self._lock = threading.Lock()
 
-    def metric(self, name: str, kind: str, description: str, buckets=None, **labels):
-        family = self._families.get(name)
-        if family is None:
-            family = self._families[name] = pb_utils.MetricFamily(
-                name=name, description=description, kind=_KINDS[kind])
+    def metric(self, name: str, kind: str, description: str, buckets=None, **labels) -> _Locked:
         key = (name, tuple(sorted(labels.items())))
         m = self._metrics.get(key)
-        if m is None:
-            all_labels = {**self.labels, **labels}
-            m = family.Metric(labels=all_labels, buckets=buckets) if buckets is not None \
-                else family.Metric(labels=all_labels)
-            self._metrics[key] = m
+        if m is not None:
+            return m
+        with self._lock:   # created from several threads (request path, poller)
+            m = self._metrics.get(key)
+            if m is None:
+                family = self._families.get(name)
+                if family is None:
+                    family = self._families[name] = pb_utils.MetricFamily(
+                        name=name, description=description, kind=_kind(kind))
+                all_labels = {**self.labels, **labels}
+                raw = family.Metric(labels=all_labels, buckets=buckets) if buckets is not None \
+                    else family.Metric(labels=all_labels)
+                m = self._metrics[key] = _Locked(raw, self._lock)
         return m
 
     def close(self) -> None:
-        self._metrics.clear()
-        self._families.clear()
+        """Drop every metric and family now, whoever still holds a wrapper: left to
+        interpreter teardown they are destroyed after the stub's IPC is gone and crash it."""
+        import gc
+        with self._lock:
+            for m in self._metrics.values():
+                m._m = None
+            self._metrics.clear()
+            self._families.clear()
+        gc.collect()
 
 
 class EngineMetrics:

@@ -66,8 +66,9 @@ class ResponseStream:
             if not out.finished and not out.new_token_ids:
                 return
             if out.finished and out.finish_reason == "error":
-                self._end(Reply(error="internal error: the engine step failed; request aborted",
-                                code="INTERNAL", final=True))
+                # e.g. the prompt's KV never arrived (the reason names why)
+                what = getattr(out, "error", None) or "the engine step failed; request aborted"
+                self._end(Reply(error=f"internal error: {what}", code="INTERNAL", final=True))
                 return
             if self.request.stream:
                 ids, text = out.new_token_ids, out.new_text

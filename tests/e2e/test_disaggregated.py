@@ -111,6 +111,7 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
     import tritonclient.grpc as grpcclient
 
     aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
+    idle_pages = _pages_in_use(server)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -130,8 +131,34 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
         assert time.monotonic() < deadline, "decode did not abort the cancelled request"
         time.sleep(0.1)
     assert metric(server, "tandem_requests_in_engine", "decode") == 0
+    # the sequence's decode pages went back (the gauge is refreshed every 0.5 s)
+    deadline = time.monotonic() + 10
+    while _pages_in_use(server) != idle_pages:
+        assert time.monotonic() < deadline, "the cancelled request's pages were not freed"
+        time.sleep(0.2)
     assert server.is_ready()
     assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
+
+
+def _pages_in_use(server) -> tuple[float, float]:
+    time.sleep(0.6)   # one poll of the metrics thread
+    return (metric(server, "tandem_kv_pages", "decode", state="in_use"),
+            metric(server, "tandem_kv_pages", "decode", state="reserved"))
+
+
+def test_metrics_cover_latency_tokens_and_the_kv_transfer(server, reference):
+    _stream(server, DISAGG, PROMPTS[1])
+    _stream(server, COLOCATED, PROMPTS[1])
+    time.sleep(0.6)
+    for model in ("decode", "llm"):
+        assert metric(server, "tandem_time_to_first_token_seconds_count", model) >= 1
+        assert metric(server, "tandem_inter_token_latency_seconds_count", model) >= 1
+        assert metric(server, "tandem_generation_tokens_total", model) >= 10
+        assert metric(server, "tandem_prompt_tokens_total", model) >= 1
+        assert metric(server, "tandem_kv_pages", model, state="free") > 0
+    assert metric(server, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+    assert metric(server, "tandem_kv_reservations_total", "kv_transfer") >= 1
+    assert metric(server, "tandem_kv_transfer_seconds_count", "kv_transfer") >= 1
 
 
 def _one(value, dtype):

@@ -18,6 +18,8 @@ import uuid
 import numpy as np
 import pytest
 
+from tandem.backends.triton.latency import StreamClock
+
 from tandem.backends.triton.generate_request import (
     RequestError, check_context, output_arrays, parse_generate_request, parse_token_request, token_output_arrays)
 from tandem.backends.triton.settings import EngineSettings, model_limits
@@ -89,7 +91,7 @@ class TritonModelException(Exception):
 
 
 class MetricFamily:
-    COUNTER, GAUGE = "COUNTER", "GAUGE"
+    COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
     values: dict[tuple, float] = {}
     busy: list[bool] = [False]
     overlaps: list[int] = [0]      # updates that ran while another was under way
@@ -97,7 +99,7 @@ class MetricFamily:
     def __init__(self, name, description, kind):
         self.name = name
 
-    def Metric(self, labels):
+    def Metric(self, labels, buckets=None):
         key = (self.name, tuple(sorted(labels.items())))
         family_values, busy, overlaps = MetricFamily.values, MetricFamily.busy, MetricFamily.overlaps
 
@@ -113,6 +115,9 @@ class MetricFamily:
 
             def set(self, value):
                 family_values[key] = value
+
+            def observe(self, value):   # a histogram: its count, as Prometheus's _count
+                self.increment(1)
         return _Metric()
 
 
@@ -152,6 +157,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.started = self.stopped = False
         self.reject: str | None = None
+        # what the metrics poller reads of the LLMEngine
+        self.engine = types.SimpleNamespace(
+            proposer=None, spec_metrics=None,
+            allocator=types.SimpleNamespace(num_free=30, num_used=2))
         FakeEngine.instances.append(self)
 
     def start(self):
@@ -537,14 +546,22 @@ def test_metrics_are_updated_one_at_a_time(model):
     def updates(fn):
         for _ in range(100):
             fn()
+    from tandem.backends.engine.llm_engine import RequestOutput
+    done = RequestOutput("r", [5, 6], "ab", True, "length", 3, 2)
     threads = [threading.Thread(target=updates, args=(model.metrics.submitted,)),
-               threading.Thread(target=updates, args=(lambda: model.metrics.engine_finished("length"),))]
+               threading.Thread(target=updates, args=(lambda: model.metrics.output(
+                   model.metrics.submitted() and StreamClock(), done),)),
+               threading.Thread(target=updates, args=(model._poll_metrics,))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert MetricFamily.overlaps[0] == 0
-    assert metric("tandem_requests_in_engine") == 0 and metric("tandem_requests_finished_total", reason="length") == 100
+    assert metric("tandem_requests_in_engine") == 100
+    assert metric("tandem_requests_finished_total", reason="length") == 100
+    assert metric("tandem_time_to_first_token_seconds") == 100     # observations
+    assert metric("tandem_generation_tokens_total") == 200
+    assert (metric("tandem_kv_pages", state="free"), metric("tandem_kv_pages", state="in_use")) == (30, 2)
 
 
 def test_finalize_ends_open_streams_and_stops_the_engine(model_cls, ckpt_dir):
