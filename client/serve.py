@@ -44,12 +44,14 @@ ENSEMBLES = {
     "tandem_colocated": "text, colocated (the baseline)",
 }
 COLOCATED = ("preprocess", "llm", "postprocess", "tandem_colocated")
+PREFILL = ("prefill",)   # a prefill server: decode servers send it jobs (--prefill-endpoints)
 DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "tandem", "tandem_tokens")
 # the models each mode serves; "both" puts the two paths side by side for benchmarks
 MODES = {
     "disaggregated": DISAGGREGATED,
     "colocated": COLOCATED,
     "both": DISAGGREGATED + tuple(m for m in COLOCATED if m not in DISAGGREGATED),
+    "prefill": PREFILL,
 }
 
 
@@ -69,12 +71,22 @@ class ServeOptions:
     num_speculative_tokens: int = 3
     draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
     mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
-    mode: str = "disaggregated"           # disaggregated | colocated | both (see MODES)
+    mode: str = "disaggregated"           # disaggregated | colocated | both | prefill (MODES)
+    prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
 
     @property
     def models(self) -> tuple[str, ...]:
         if self.mode not in MODES:
             raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.prefill_endpoints:
+            from tandem.backends.disagg.prefill_router import parse_endpoints
+            if "prefill" not in MODES[self.mode] or self.mode == "prefill":
+                raise ServerError(f"--prefill-endpoints is for a decode server (--mode "
+                                  f"disaggregated or both), not --mode {self.mode}")
+            try:
+                parse_endpoints(self.prefill_endpoints)
+            except ValueError as e:
+                raise ServerError(str(e).replace("prefill_endpoints", "--prefill-endpoints")) from None
         return MODES[self.mode]
 
     @property
@@ -393,10 +405,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="draft tokens per step with --spec (default: 3)")
     p.add_argument("--draft-model", default="", help="draft checkpoint (default: checkpoints/demo/draft)")
     p.add_argument("--mtp-head", default="", help="MTP head checkpoint (default: checkpoints/demo/mtp)")
+    p.add_argument("--prefill-endpoints", default="",
+                   help="host:port,... gRPC endpoints of prefill servers (`tandem serve --mode "
+                        "prefill`) that this decode server sends its prefills to (default: its own)")
     p.add_argument("--mode", choices=tuple(MODES), default="disaggregated",
                    help="disaggregated (default): the ensembles tandem and tandem_tokens (preprocess, "
                         "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
-                        "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them")
+                        "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them; "
+                        "prefill: a prefill server for decode servers started with --prefill-endpoints")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -416,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, torch_threads=args.threads,
         spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
+        prefill_endpoints=args.prefill_endpoints,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,
@@ -435,7 +452,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem: serving {options.model_dir} ({options.mode})", flush=True)
         for name in options.ensembles:
             print(f"  ensemble {name:<17} {ENSEMBLES[name]}")
-        print(f"  HTTP     http://{server.http_url}   (POST /v2/models/{options.ensembles[0]}/generate_stream)")
+        if options.ensembles:
+            print(f"  HTTP     http://{server.http_url}   (POST /v2/models/{options.ensembles[0]}/generate_stream)")
+        else:
+            print(f"  HTTP     http://{server.http_url}   (model prefill: decode servers' jobs)")
         print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
         print("Ctrl-C to stop.", flush=True)

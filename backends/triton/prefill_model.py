@@ -4,6 +4,11 @@ streaming each layer's KV into the decoder's reservation.
 ``execute`` hands each job to the :class:`~tandem.backends.disagg.PrefillService`
 and answers at once (``prefill_ack``): the decoder learns that the KV arrived from
 its reservation's counter, not from this model.
+
+With the ``prefill_endpoints`` parameter (``tandem serve --prefill-endpoints``) this
+model computes nothing: it forwards each job to the ``prefill`` model of a prefill
+server (``tandem serve --mode prefill``), which streams the KV over UCX straight into
+this server's reserved pages (:class:`~tandem.backends.disagg.prefill_router.PrefillRouter`).
 """
 from __future__ import annotations
 
@@ -18,12 +23,18 @@ from .settings import EngineSettings
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        s = EngineSettings.from_model_config(json.loads(args["model_config"]))
+        self.service = self.router = None
+        if s.prefill_endpoints:
+            from tandem.backends.disagg.prefill_router import PrefillRouter, parse_endpoints
+            self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints))
+            pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)}")
+            return
         import torch
 
         from tandem.backends.disagg import PrefillService
         from tandem.backends.engine import EngineConfig
 
-        s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         torch.set_num_threads(s.threads)
         # with speculation the prefill fills the proposer's KV too (the decoder expects it)
         self.service = PrefillService(EngineConfig(
@@ -38,21 +49,30 @@ class TritonPythonModel:
         from tandem.rdma import DestinationDescriptor
         from tandem.rdma.wire import MalformedMessage
 
-        desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
-        ids = token_ids(pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy())
+        desc_arr = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy()
+        ids_arr = pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy()
+        desc = desc_arr.tobytes()
         if desc != NO_TRANSFER:
             try:
-                self.service.submit(DestinationDescriptor.from_bytes(desc), ids, _log_failure)
+                if self.router is not None:
+                    self.router.submit(ids_arr, desc_arr)
+                else:
+                    self.service.submit(DestinationDescriptor.from_bytes(desc), token_ids(ids_arr),
+                                        _log_failure)
             except (MalformedMessage, ValueError) as e:
                 return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     f"kv_descriptor: {e}", pb_utils.TritonError.INTERNAL))
+            except RuntimeError as e:   # PrefillUnavailable: every prefill server failed
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    str(e), pb_utils.TritonError.UNAVAILABLE))
         ack = np.ones((1, 1), dtype=bool)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PREFILL_ACK, ack)])
 
     def finalize(self) -> None:
-        service = getattr(self, "service", None)
-        if service is not None:
-            service.shutdown()
+        if getattr(self, "service", None) is not None:
+            self.service.shutdown()
+        if getattr(self, "router", None) is not None:
+            self.router.close()
 
 
 def _log_failure(error: str | None) -> None:

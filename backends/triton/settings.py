@@ -19,7 +19,8 @@ from ..speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_LAYOUTS = ("HND", "NHD")
-STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head")
+STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
+                 "prefill_endpoints")
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +38,7 @@ class EngineSettings:
     num_speculative_tokens: int = 3
     draft_model: str = ""
     mtp_head: str = ""
+    prefill_endpoints: str = ""           # "host:port,...": prefill servers (prefill forwards)
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":

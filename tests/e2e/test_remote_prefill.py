@@ -1,0 +1,93 @@
+"""Remote prefill: one prefill server (`tandem serve --mode prefill`) feeds two decode
+servers (`--prefill-endpoints`); each decode server's own prefill model only forwards,
+and the KV travels over UCX from the prefill server into the decode server's pages."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.client.generate import GenerateError, stream_generate
+from tandem.client.serve import ServeOptions, TritonServer, free_port, stub_processes
+
+from .triton_calls import metric
+
+pytestmark = pytest.mark.e2e
+SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_threads=1)
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:"]
+
+
+def _start(stack, run_dir, options):
+    srv = TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
+                       ready_timeout_s=300, exit_timeout_s=30)
+    stack.append(srv)
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, demo_checkpoint):
+    stack = []
+    ckpt = str(demo_checkpoint)
+    try:
+        prefill = _start(stack, tmp_path_factory.mktemp("prefill-server"),
+                         ServeOptions(model_dir=ckpt, mode="prefill", **SETTINGS))
+        decoders = [_start(stack, tmp_path_factory.mktemp(f"decode-server-{i}"),
+                           ServeOptions(model_dir=ckpt, prefill_endpoints=prefill.grpc_url, **SETTINGS))
+                    for i in range(2)]
+        yield prefill, decoders
+    finally:
+        for srv in reversed(stack):
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_checkpoint):
+    import torch
+
+    from tandem.backends.engine.llm import LLM
+    from tandem.backends.engine.params import SamplingParams
+    torch.set_num_threads(1)
+    llm = LLM(str(demo_checkpoint), page_size=4, max_num_batched_tokens=8)
+    return {p: llm.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0].text for p in PROMPTS}
+
+
+def _text(srv, prompt):
+    rs = list(stream_generate(srv.grpc_url, prompt, model="tandem", timeout_s=60, max_tokens=10,
+                              temperature=0.0, stream=True))
+    return "".join(r.text for r in rs)
+
+
+def test_one_prefill_server_feeds_two_decode_servers(servers, reference):
+    prefill, decoders = servers
+    for srv in decoders:
+        for p in PROMPTS:
+            assert _text(srv, p) == reference[p]
+    # the prefill server ran the prefills; the decode servers' prefill models only forwarded
+    assert "[prefill] forwarding to" in (decoders[0].run_dir / "tritonserver.log").read_text()
+    assert "[prefill] forwarding to" not in (prefill.run_dir / "tritonserver.log").read_text()
+    time.sleep(0.6)   # one poll of the metrics thread
+    for srv in decoders:
+        assert metric(srv, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+
+
+def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path, demo_checkpoint):
+    dead = f"127.0.0.1:{free_port()}"
+    stack = []
+    try:
+        srv = _start(stack, tmp_path, ServeOptions(model_dir=str(demo_checkpoint),
+                                                   prefill_endpoints=dead, **SETTINGS))
+        with pytest.raises(GenerateError, match=f"no prefill server took the job: {dead}"):
+            _text(srv, PROMPTS[0])
+        # the reservation made for it is reclaimed by its lease
+        deadline = time.monotonic() + 40
+        while True:
+            time.sleep(0.6)
+            if metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") == 0:
+                break
+            assert time.monotonic() < deadline, "the reservation was never reclaimed"
+        assert srv.is_ready()
+    finally:
+        for s in stack:
+            s.stop()
+    assert stub_processes(tmp_path) == []
