@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# the demo checkpoints, disaggregated, with MTP speculation; override with SERVE_ARGS=...
+SERVE_ARGS ?= --spec mtp --dtype bfloat16
 serve: $(STAMP)
-	$(VENV)/bin/tandem serve $(ARGS)
+	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

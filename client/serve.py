@@ -66,7 +66,7 @@ class ServeOptions:
     kv_layout: str = "HND"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    torch_threads: int = 0                # 0: all cores
+    torch_threads: int = 0                # 0: all cores (disaggregated: half each for prefill, decode)
     spec_method: str = "none"             # none | draft_target | mtp
     num_speculative_tokens: int = 3
     draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
@@ -95,6 +95,9 @@ class ServeOptions:
 
     def template_values(self) -> dict[str, str]:
         values = {k: str(v) for k, v in asdict(self).items()}
+        if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
+            # prefill and decode run side by side: a half of the cores each, not all twice
+            values["torch_threads"] = str(max(1, (os.cpu_count() or 2) // 2))
         values["model_dir"] = str(Path(self.model_dir).resolve())
         for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
             path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
@@ -398,7 +401,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layout", choices=("HND", "NHD"), default="HND")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default: 512)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads of the model process (default: 0 = all cores)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads of each engine process (default: 0 = all cores; disaggregated: half each for prefill and decode)")
     p.add_argument("--spec", dest="spec_method", choices=("none", "draft_target", "mtp"), default="none",
                    help="speculative decoding method (default: none)")
     p.add_argument("--k", dest="num_speculative_tokens", type=int, default=3,

@@ -1,0 +1,79 @@
+"""Speculative decoding through the server: greedy text of the disaggregated ensemble
+``tandem`` and of ``tandem_colocated`` equals ``LLM.generate`` without speculation, for
+MTP (a random head: most drafts rejected) and draft-target (the model drafting for
+itself: every draft accepted, so a wrong draft KV on the disaggregated path would show
+as rejections in the acceptance metric)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.client.generate import stream_generate
+from tandem.client.serve import ServeOptions, TritonServer
+
+from .triton_calls import metric
+
+pytestmark = pytest.mark.e2e
+SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_threads=1)
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:", "x"]
+
+
+@pytest.fixture(scope="module")
+def random_mtp_head(demo_checkpoint, tmp_path_factory):
+    import torch
+
+    from tandem.backends.models import load_model
+    from tandem.backends.models.mtp import MTPHead, save_mtp_head
+    out = tmp_path_factory.mktemp("mtp") / "head"
+    torch.manual_seed(5)
+    save_mtp_head(MTPHead(load_model(str(demo_checkpoint)).config), out, torch.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(demo_checkpoint):
+    import torch
+
+    from tandem.backends.engine.llm import LLM
+    from tandem.backends.engine.params import SamplingParams
+    torch.set_num_threads(1)
+    llm = LLM(str(demo_checkpoint), page_size=4)
+    return {p: llm.generate(p, SamplingParams(max_tokens=12, temperature=0.0))[0].text for p in PROMPTS}
+
+
+@pytest.fixture(scope="module", params=["mtp", "draft_target"])
+def server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
+    method = request.param
+    extra = ({"mtp_head": str(random_mtp_head)} if method == "mtp"
+             else {"draft_model": str(demo_checkpoint)})
+    run_dir = tmp_path_factory.mktemp(f"serve-spec-{method}")
+    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
+                                    num_speculative_tokens=3, **extra, **SETTINGS),
+                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
+                       exit_timeout_s=30)
+    try:
+        srv.start()
+        yield method, srv
+    finally:
+        srv.stop()
+
+
+def _text(srv, model, prompt):
+    rs = list(stream_generate(srv.grpc_url, prompt, model=model, timeout_s=60, max_tokens=12,
+                              temperature=0.0, stream=True))
+    assert rs[-1].final
+    return "".join(r.text for r in rs)
+
+
+def test_greedy_text_with_speculation_equals_plain_decoding(server, reference):
+    method, srv = server
+    for prompt in PROMPTS:
+        assert _text(srv, "tandem", prompt) == reference[prompt]
+        assert _text(srv, "tandem_colocated", prompt) == reference[prompt]
+    time.sleep(0.6)   # one poll of the metrics thread
+    for model in ("decode", "llm"):
+        assert metric(srv, "tandem_spec_drafts_total", model) > 0
+        if method == "draft_target":
+            assert metric(srv, "tandem_spec_acceptance_rate", model) == 1.0
+            assert metric(srv, "tandem_spec_mean_acceptance_length", model) == 4.0
