@@ -12,6 +12,7 @@ BENCHMARKS = {
     "spec": "speculative decoding (draft-target, MTP) against plain and HF assisted generation",
     "transfer": "KV transfer GB/s between processes over UCX against memcpy",
     "serving": "disaggregated against colocated through the server: decode tok/s, TTFT, ITL",
+    "scaling": "one prefill server feeding 1, 2, 3 decode servers: where prefill becomes the limit",
 }
 
 

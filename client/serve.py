@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -147,9 +148,12 @@ except OSError:  # pragma: no cover - not Linux
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child: its own process group, and SIGTERM when the parent dies (Linux)."""
+def _die_with_parent(cpus: tuple[int, ...] | None = None) -> None:
+    """In the child: its own process group, SIGTERM when the parent dies (Linux), and
+    the CPUs it (and every model process it starts) may run on."""
     os.setsid()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
@@ -203,6 +207,7 @@ class TritonServer:
     log_file: Path | None = None
     log_verbose: int = 0
     ready_timeout_s: float = 300.0
+    cpus: tuple[int, ...] | None = None   # pin the server and its models (benchmarks)
     exit_timeout_s: int = 10
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -287,7 +292,7 @@ class TritonServer:
             out, err = None, None
         self.process = subprocess.Popen(
             cmd, env=server_env(layout), cwd=self.run_dir, stdin=subprocess.DEVNULL,
-            stdout=out, stderr=err, preexec_fn=_die_with_parent,
+            stdout=out, stderr=err, preexec_fn=functools.partial(_die_with_parent, self.cpus),
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> None:

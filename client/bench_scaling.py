@@ -1,0 +1,187 @@
+"""One prefill server feeding 1, 2, 3 ... decode servers, through the real servers.
+
+A prefill server (`tandem serve --mode prefill`, pinned to ``--prefill-cpus``) and N
+decode servers (`--prefill-endpoints` pointing at it, pinned to ``--decode-cpus``) run
+a closed loop: every decode server keeps ``--streams`` requests of ``--prompt-tokens``
+prompt tokens and ``--max-tokens`` new tokens in flight. As N grows the decode side
+gains capacity while the one prefill server does not: where throughput stops growing
+and TTFT climbs, prefill is the bottleneck. From the measured per-token costs the
+report also derives how many decode servers one prefill server can feed for a given
+prompt/output length (the cluster-scale model in docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .bench_serving import DEMO, StreamingClient, long_context_copy, prompt_texts
+from .serving_workload import percentile
+
+DEFAULT_OUT = Path("docs/bench/scaling.json")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--decoders", default="1,2,3", help="decode servers per run")
+    p.add_argument("--streams", type=int, default=4, help="requests in flight per decode server")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--duration", type=float, default=40.0, help="seconds measured per run")
+    p.add_argument("--prefill-cpus", default="0")
+    p.add_argument("--decode-cpus", default="1")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+def _cpus(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def closed_loop(clients: list[StreamingClient], prompts: list[str], prompt_tokens: int,
+                streams: int, max_tokens: int, duration: float) -> dict:
+    """Keep ``streams`` requests in flight on every client for ``duration`` seconds."""
+    for c in clients:   # what an earlier loop left behind is not this loop's
+        while not c.finished.empty():
+            c.finished.get()
+        for j in range(streams):
+            c.send("long", prompts[j % len(prompts)], prompt_tokens, max_tokens)
+    start = time.monotonic()
+    done = []
+    n = 0
+    while time.monotonic() - start < duration:
+        for c in clients:
+            while not c.finished.empty():
+                log = c.finished.get()
+                done.append(log)
+                n += 1
+                if time.monotonic() - start < duration:
+                    c.send("long", prompts[n % len(prompts)], prompt_tokens, max_tokens)
+        time.sleep(0.01)
+    end = time.monotonic()
+    deadline = end + 120
+    for c in clients:   # drain what is still running (not counted)
+        while any(log.done_at is None for log in c.logs.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    warm = start + min(5.0, duration / 4)
+    counted = [log for log in done if log.sent_at >= warm and log.done_at and log.done_at <= end]
+    span = end - warm
+    ttfts = [log.ttft for log in counted if log.ttft is not None]
+    speeds = [v for log in counted for v in [log.decode_tokens_per_s()] if v is not None]
+    out_tokens = sum(k for log in counted for _, k in log.events)
+    errors = sum(len(c.errors) for c in clients)
+    return {
+        "requests": len(counted), "errors": errors,
+        "requests_per_s": round(len(counted) / span, 3),
+        "prefill_tokens_per_s": round(len(counted) * prompt_tokens / span, 1),
+        "output_tokens_per_s": round(out_tokens / span, 1),
+        "ttft_ms_p50": _ms(percentile(ttfts, 50)), "ttft_ms_p90": _ms(percentile(ttfts, 90)),
+        "decode_tok_s_median": round(statistics.median(speeds), 1) if speeds else None,
+    }
+
+
+def _ms(x):
+    return None if x is None else round(x * 1000, 1)
+
+
+def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> dict:
+    from .serve import ServeOptions, TritonServer
+    common = dict(model_dir=str(model_dir), dtype=args.dtype, torch_threads=1, max_num_seqs=32,
+                  max_num_batched_tokens=512)
+    servers = []
+    try:
+        prefill = TritonServer(ServeOptions(mode="prefill", **common), run_dir=work / f"p{n}",
+                               log_file=work / f"p{n}.log", cpus=_cpus(args.prefill_cpus),
+                               ready_timeout_s=600)
+        servers.append(prefill)
+        prefill.start()
+        for i in range(n):
+            d = TritonServer(ServeOptions(prefill_endpoints=prefill.grpc_url, **common),
+                             run_dir=work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
+                             cpus=_cpus(args.decode_cpus), ready_timeout_s=600)
+            servers.append(d)
+            d.start()
+        clients = [StreamingClient(s.grpc_url, "tandem") for s in servers[1:]]
+        try:
+            closed_loop(clients, prompts, args.prompt_tokens, 1, 4, 3.0)   # warm-up
+            stats = closed_loop(clients, prompts, args.prompt_tokens, args.streams,
+                                args.max_tokens, args.duration)
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    stats["decoders"] = n
+    print(f"  {n} decode server(s): " + "  ".join(f"{k}={v}" for k, v in stats.items()), flush=True)
+    return stats
+
+
+def cluster_model(runs: list[dict], prompt_tokens: int, max_tokens: int) -> dict:
+    """Decode servers one prefill server can feed, from the measured capacities: the
+    prefill side's tokens/s at its most loaded run, the decode side's output tokens/s
+    per server at its least loaded run (one server, prefill not yet the limit)."""
+    prefill_cap = max(r["prefill_tokens_per_s"] for r in runs)
+    decode_cap = runs[0]["output_tokens_per_s"] / runs[0]["decoders"]
+    req_prefill = prefill_cap / prompt_tokens
+    req_decode = decode_cap / max_tokens if max_tokens else float("inf")
+    return {"prefill_tokens_per_s_capacity": prefill_cap,
+            "decode_output_tokens_per_s_per_server": round(decode_cap, 1),
+            "requests_per_s_one_prefill_server": round(req_prefill, 3),
+            "requests_per_s_one_decode_server": round(req_decode, 3),
+            "decode_servers_per_prefill_server": round(req_prefill / req_decode, 2) if req_decode else None}
+
+
+def plot(runs: list[dict], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ns = [r["decoders"] for r in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a1.plot(ns, [r["requests_per_s"] for r in runs], "o-", label="requests/s")
+    a1.set_xlabel("decode servers fed by one prefill server"); a1.set_ylabel("requests / s")
+    a1b = a1.twinx()
+    a1b.plot(ns, [r["output_tokens_per_s"] for r in runs], "s--", color="tab:orange")
+    a1b.set_ylabel("output tokens / s (all servers)")
+    a2.plot(ns, [r["ttft_ms_p50"] for r in runs], "o-", label="TTFT p50")
+    a2.plot(ns, [r["ttft_ms_p90"] for r in runs], "o-", label="TTFT p90")
+    a2.set_xlabel("decode servers"); a2.set_ylabel("ms"); a2.legend()
+    for a in (a1, a2):
+        a.set_xticks(ns)
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-scaling-"))
+    try:
+        model_dir = long_context_copy(args.model, work / "model",
+                                      args.prompt_tokens + args.max_tokens + 64)
+        prompts = prompt_texts(model_dir, [args.prompt_tokens] * 8)
+        runs = [run_one(int(n), args, model_dir, work, prompts) for n in args.decoders.split(",")]
+        report = {
+            "benchmark": "scaling", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+            "command": "tandem bench scaling " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                if k not in ("func", "benchmark") and v is not None),
+            "runs": runs, "cluster_model": cluster_model(runs, args.prompt_tokens, args.max_tokens),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        png = plot(runs, args.out)
+        print(json.dumps(report["cluster_model"], indent=1))
+        print(f"wrote {args.out}, {png}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
