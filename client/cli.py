@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "generate": "generate",
     "make-demo-checkpoint": "demo_checkpoint",
     "bench": "bench",
+    "perf": "perf_analyzer",
     "train": "train",
 }
 
