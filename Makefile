@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	bash scripts/install_perf_analyzer_deps.sh $(PY)
 	@touch $(STAMP)
 
 # the demo checkpoints, disaggregated, with MTP speculation; override with SERVE_ARGS=...
