@@ -30,5 +30,7 @@ test-unit: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
+# every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png
+BENCHMARKS := engine spec transfer serving scaling load
 bench: $(STAMP)
-	$(VENV)/bin/tandem bench engine
+	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "transfer": "KV transfer GB/s between processes over UCX against memcpy",
     "serving": "disaggregated against colocated through the server: decode tok/s, TTFT, ITL",
     "scaling": "one prefill server feeding 1, 2, 3 decode servers: where prefill becomes the limit",
+    "load": "perf_analyzer --streaming at increasing concurrency, disaggregated and colocated",
 }
 
 
