@@ -14,6 +14,7 @@ BENCHMARKS = {
     "serving": "disaggregated against colocated through the server: decode tok/s, TTFT, ITL",
     "scaling": "one prefill server feeding 1, 2, 3 decode servers: where prefill becomes the limit",
     "load": "perf_analyzer --streaming at increasing concurrency, disaggregated and colocated",
+    "spec-serving": "speculation through the server: none, draft-target, MTP at k=1..5, concurrency 1 and 8",
 }
 
 
@@ -21,7 +22,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark (prints a table, writes JSON/PNG)")
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, help_text in BENCHMARKS.items():
-        mod = importlib.import_module(f"tandem.client.bench_{name}")
+        mod = importlib.import_module(f"tandem.client.bench_{name.replace('-', '_')}")
         bp = sub.add_parser(name, help=help_text)
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)

@@ -1,0 +1,127 @@
+"""Speculative decoding through the server: per-request decode tokens/s of the
+disaggregated ``tandem`` ensemble with no speculation, draft-target and MTP at
+k = 1..5, at concurrency 1 and 8 (closed loop), with the acceptance the decode model
+reports on Triton's metrics port. One server per setting, the same cores for all."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import tempfile
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .bench_scaling import closed_loop
+from .bench_serving import DEMO, StreamingClient
+
+DEFAULT_OUT = Path("docs/bench/spec_serving.json")
+PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
+           "import os\n\n\ndef walk(path):\n    ", "    def __repr__(self):\n        return ",
+           "def parse_args(argv=None):\n    parser = argparse.", "with open(path) as f:\n    for line in f:\n"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--methods", default="none,draft_target,mtp")
+    p.add_argument("--ks", default="1,2,3,4,5")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per engine (0: half the cores)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+def _scrape(url: str, name: str, model: str = "decode") -> float | None:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    m = re.search(rf'^{name}\{{[^}}]*model="{model}"[^}}]*\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def run_setting(method: str, k: int, args, work: Path) -> dict:
+    from .serve import ServeOptions, TritonServer
+    options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
+                           spec_method=method, num_speculative_tokens=k)
+    row = {"method": method, "k": k if method != "none" else 0}
+    with TritonServer(options, run_dir=work / f"{method}-{k}", log_file=work / f"{method}-{k}.log",
+                      ready_timeout_s=600) as server:
+        client = StreamingClient(server.grpc_url, "tandem")
+        try:
+            closed_loop([client], PROMPTS, 8, 1, 8, 3.0)    # warm-up
+            for c in (int(x) for x in args.concurrency.split(",")):
+                s = closed_loop([client], PROMPTS, 8, c, args.max_tokens, args.duration)
+                row[f"c{c}"] = {"decode_tok_s_median": s["decode_tok_s_median"],
+                                "output_tokens_per_s": s["output_tokens_per_s"],
+                                "ttft_ms_p50": s["ttft_ms_p50"], "requests": s["requests"],
+                                "errors": s["errors"]}
+        finally:
+            client.close()
+        if method != "none":
+            import time
+            time.sleep(0.6)   # one poll of the metrics thread
+            row["mean_acceptance_length"] = _scrape(server.metrics_url, "tandem_spec_mean_acceptance_length")
+            row["acceptance_rate"] = _scrape(server.metrics_url, "tandem_spec_acceptance_rate")
+    print("  " + "  ".join(f"{k_}={v}" for k_, v in row.items()), flush=True)
+    return row
+
+
+def speedups(rows: list[dict], concurrency: list[int]) -> dict:
+    base = next(r for r in rows if r["method"] == "none")
+    out = {}
+    for c in concurrency:
+        key = f"c{c}"
+        b = base[key]["decode_tok_s_median"]
+        best = max((r for r in rows if r["method"] != "none"),
+                   key=lambda r: r[key]["decode_tok_s_median"] or 0, default=None)
+        if best is not None and b:
+            out[key] = {"plain_tok_s": b, "best": f"{best['method']} k={best['k']}",
+                        "best_tok_s": best[key]["decode_tok_s_median"],
+                        "speedup": round(best[key]["decode_tok_s_median"] / b, 2)}
+    return out
+
+
+def plot(rows: list[dict], concurrency: list[int], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(concurrency), figsize=(5.5 * len(concurrency), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], concurrency):
+        key = f"c{c}"
+        base = next(r for r in rows if r["method"] == "none")[key]["decode_tok_s_median"]
+        for method in sorted({r["method"] for r in rows} - {"none"}):
+            rs = [r for r in rows if r["method"] == method]
+            ax.plot([r["k"] for r in rs], [r[key]["decode_tok_s_median"] for r in rs], "o-", label=method)
+        ax.axhline(base, color="gray", ls="--", label="no speculation")
+        ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("decode tok/s per request (median)")
+        ax.set_title(f"concurrency {c}"); ax.legend()
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-spec-serving-"))
+    ks = [int(k) for k in args.ks.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for method in args.methods.split(","):
+        for k in ([1] if method == "none" else ks):
+            rows.append(run_setting(method, k, args, work))
+    report = {
+        "benchmark": "spec_serving", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "command": "tandem bench spec-serving " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k not in ("func", "benchmark") and v is not None),
+        "rows": rows, "speedups": speedups(rows, concurrency),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["speedups"], indent=1))
+    print(f"wrote {args.out}, {plot(rows, concurrency, args.out)}")
+    return 0
