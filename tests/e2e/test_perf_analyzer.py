@@ -15,9 +15,8 @@ from tandem.client.serve import ServeOptions, TritonServer
 
 pytestmark = pytest.mark.e2e
 
-# The colocated streaming model is being renamed from "tandem" to "tandem_colocated"
-# ("tandem" becomes the disaggregated ensemble); follow whichever serve has.
-MODEL_NAME = "tandem_colocated" if "tandem_colocated" in ServeOptions(mode="colocated").models else "tandem"
+# the disaggregated streaming ensemble (preprocess -> kv_transfer -> prefill -> decode -> postprocess)
+MODEL_NAME = "tandem"
 REQUESTS = 8
 MAX_TOKENS = 8
 
@@ -36,7 +35,7 @@ def analyzer():
 def server(analyzer, tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("perf")
     srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
-                                    mode="colocated"),
+                                    mode="disaggregated"),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180)
     try:
         srv.start()
