@@ -140,6 +140,32 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
     assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
 
 
+def test_closing_the_sse_connection_aborts_the_stream(server, reference):
+    """A browser or curl that goes away mid-stream: decode aborts the sequence and
+    frees its pages."""
+    import http.client
+    import json
+    aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
+    idle_pages = _pages_in_use(server)
+    host, port = server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", f"/v2/models/{DISAGG}/generate_stream",
+                 body=json.dumps({"text_input": "class A:", "max_tokens": 2000, "stream": True}))
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.fp.readline()     # the first event is under way
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 30
+    while metric(server, "tandem_requests_finished_total", "decode", reason="abort") < aborted_before + 1:
+        assert time.monotonic() < deadline, "decode did not abort the abandoned stream"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while _pages_in_use(server) != idle_pages:
+        assert time.monotonic() < deadline, "the abandoned stream's pages were not freed"
+    assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
+
+
 def _pages_in_use(server) -> tuple[float, float]:
     time.sleep(0.6)   # one poll of the metrics thread
     return (metric(server, "tandem_kv_pages", "decode", state="in_use"),
