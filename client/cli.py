@@ -46,10 +46,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# what a user causes (a wrong path, a bad value): a one-line message, not a traceback;
+# TANDEM_DEBUG=1 shows the traceback anyway
+USER_ERRORS = (FileNotFoundError, NotADirectoryError, PermissionError, ValueError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as exc:
+        if os.environ.get("TANDEM_DEBUG"):
+            raise
+        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
