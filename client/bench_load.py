@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
+from .bench_report import header, save_figure, write
 from .bench_serving import DEMO
 
 DEFAULT_OUT = Path("docs/bench/load.json")
@@ -55,7 +52,7 @@ def run_mode(mode: str, args, work: Path) -> list[dict]:
     return out
 
 
-def plot(results: dict, out: Path) -> Path:
+def plot(results: dict, out: Path, report: dict) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,11 +66,7 @@ def plot(results: dict, out: Path) -> Path:
     a1.set_xlabel("concurrency"); a1.set_ylabel("output tokens / s")
     a2.set_xlabel("concurrency"); a2.set_ylabel("time to first response (ms)")
     a1.legend(); a2.legend(fontsize=8)
-    fig.tight_layout()
-    path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out.with_suffix(".png"), report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,15 +75,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in args.modes.split(","):
         print(f"{mode}: starting tritonserver", flush=True)
         results[mode] = run_mode(mode, args, work)
-    report = {
-        "benchmark": "load", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "command": "tandem bench load " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k not in ("func", "benchmark") and v is not None),
-        "perf_analyzer_files": str(work), "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}, {plot(results, args.out)} (perf_analyzer's own files in {work})")
+    report = {**header("load", args), "perf_analyzer_files": str(work), "results": results}
+    write(report, args.out)
+    print(f"wrote {args.out}, {plot(results, args.out, report)} (perf_analyzer's own files in {work})")
     return 0

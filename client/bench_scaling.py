@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from .bench_report import header, save_figure, write
 from .bench_serving import DEMO, StreamingClient, long_context_copy, prompt_texts
 from .serving_workload import percentile
 
@@ -139,7 +137,7 @@ def cluster_model(runs: list[dict], prompt_tokens: int, max_tokens: int) -> dict
             "decode_servers_per_prefill_server": round(req_prefill / req_decode, 2) if req_decode else None}
 
 
-def plot(runs: list[dict], out: Path) -> Path:
+def plot(runs: list[dict], out: Path, report: dict) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,11 +153,7 @@ def plot(runs: list[dict], out: Path) -> Path:
     a2.set_xlabel("decode servers"); a2.set_ylabel("ms"); a2.legend()
     for a in (a1, a2):
         a.set_xticks(ns)
-    fig.tight_layout()
-    path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out.with_suffix(".png"), report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,17 +163,10 @@ def run(args: argparse.Namespace) -> int:
                                       args.prompt_tokens + args.max_tokens + 64)
         prompts = prompt_texts(model_dir, [args.prompt_tokens] * 8)
         runs = [run_one(int(n), args, model_dir, work, prompts) for n in args.decoders.split(",")]
-        report = {
-            "benchmark": "scaling", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "command": "tandem bench scaling " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("func", "benchmark") and v is not None),
-            "runs": runs, "cluster_model": cluster_model(runs, args.prompt_tokens, args.max_tokens),
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        png = plot(runs, args.out)
+        report = {**header("scaling", args), "runs": runs,
+                  "cluster_model": cluster_model(runs, args.prompt_tokens, args.max_tokens)}
+        write(report, args.out)
+        png = plot(runs, args.out, report)
         print(json.dumps(report["cluster_model"], indent=1))
         print(f"wrote {args.out}, {png}")
     finally:

@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import shutil
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from .bench_report import header, save_figure, write
 from .serving_workload import StreamLog, poisson_arrivals, summarize
 
 DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
@@ -235,7 +234,7 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
-def plot(results: dict, out: Path) -> list[Path]:
+def plot(results: dict, out: Path, report: dict) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -253,10 +252,7 @@ def plot(results: dict, out: Path) -> list[Path]:
         ax.set_ylabel("ITL (ms)")
         ax.set_title(f"{mode}: inter-token latency over time, {show} long prompts/s")
     axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    paths.append(out.with_name(out.stem + "_itl_timeline.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out.with_name(out.stem + "_itl_timeline.png"), report))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for mode, r in results.items():
         xs = [float(x) for x in rates]
@@ -265,10 +261,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     a1.set_xlabel("long prompts / s"); a1.set_ylabel("decode tok/s per request (median)")
     a2.set_xlabel("long prompts / s"); a2.set_ylabel("ITL p99 (ms)"); a2.set_yscale("log")
     a1.legend(); a2.legend()
-    fig.tight_layout()
-    paths.append(out.with_name(out.stem + "_sweep.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out.with_name(out.stem + "_sweep.png"), report))
     return paths
 
 
@@ -283,18 +276,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode}: starting tritonserver", flush=True)
             results[mode] = run_mode(mode, args, model_dir, work)
         report = {
-            "benchmark": "serving", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "command": "tandem bench serving " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("func", "benchmark") and v is not None),
+            **header("serving", args),
             "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
                          "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
             "results": results, "comparison": compare(results),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        paths = plot(results, args.out)
+        write(report, args.out)
+        paths = plot(results, args.out, report)
         print(json.dumps(report["comparison"], indent=1))
         print(f"wrote {args.out}, " + ", ".join(str(p) for p in paths))
     finally:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import tempfile
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
+from .bench_report import header, save_figure, write
 from .bench_scaling import closed_loop
 from .bench_serving import DEMO, StreamingClient
 
@@ -83,7 +81,7 @@ def speedups(rows: list[dict], concurrency: list[int]) -> dict:
     return out
 
 
-def plot(rows: list[dict], concurrency: list[int], out: Path) -> Path:
+def plot(rows: list[dict], concurrency: list[int], out: Path, report: dict) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,11 +95,7 @@ def plot(rows: list[dict], concurrency: list[int], out: Path) -> Path:
         ax.axhline(base, color="gray", ls="--", label="no speculation")
         ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("decode tok/s per request (median)")
         ax.set_title(f"concurrency {c}"); ax.legend()
-    fig.tight_layout()
-    path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out.with_suffix(".png"), report)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,16 +106,8 @@ def run(args: argparse.Namespace) -> int:
     for method in args.methods.split(","):
         for k in ([1] if method == "none" else ks):
             rows.append(run_setting(method, k, args, work))
-    report = {
-        "benchmark": "spec_serving", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "command": "tandem bench spec-serving " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k not in ("func", "benchmark") and v is not None),
-        "rows": rows, "speedups": speedups(rows, concurrency),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    report = {**header("spec-serving", args), "rows": rows, "speedups": speedups(rows, concurrency)}
+    write(report, args.out)
     print(json.dumps(report["speedups"], indent=1))
-    print(f"wrote {args.out}, {plot(rows, concurrency, args.out)}")
+    print(f"wrote {args.out}, {plot(rows, concurrency, args.out, report)}")
     return 0

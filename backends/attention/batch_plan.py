@@ -135,7 +135,7 @@ def _build_group(
     padded = any(q != qo_max for q in qo_list)
     to = kv_indices.device
     q_rows = out_src = out_dst = None
-    qo = kv = None
+    qo = None
     if not identity:
         qo = torch.tensor(qo_list)
         offs = torch.arange(qo_max)

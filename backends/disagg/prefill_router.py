@@ -77,7 +77,7 @@ class PrefillRouter:
                 self._client(url).infer(self.model, inputs, client_timeout=self.timeout_s)
                 return url
             except Exception as e:   # unreachable, or the prefill server refused the job
-                errors.append(f"{url}: {getattr(e, 'message', lambda: str(e))()}")
+                errors.append(f"{url}: {e.message() if hasattr(e, 'message') else e}")
         raise PrefillUnavailable("no prefill server took the job: " + "; ".join(errors))
 
     def close(self) -> None:

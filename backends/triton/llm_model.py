@@ -24,7 +24,6 @@ import gc
 import json
 import signal
 import sys
-import threading
 import time
 import traceback
 

@@ -1,0 +1,40 @@
+"""What every benchmark report carries (name, date, machine, the exact command) and how
+its figures are written, so that each figure names the machine, command and date."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def header(name: str, args: argparse.Namespace) -> dict:
+    """``benchmark``, ``date``, ``machine`` (with the load average: a shared host shows
+    it) and the ``command`` that reproduces the run."""
+    try:
+        load = " load average %.2f" % os.getloadavg()[0]
+    except OSError:
+        load = ""
+    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                       if k not in ("func", "command", "benchmark") and v is not None)
+    return {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()};{load}",
+            "command": f"tandem bench {name} {options}"}
+
+
+def write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+
+
+def save_figure(fig, path: Path, report: dict) -> Path:
+    """Save with a footer naming the machine, the command and the date."""
+    import matplotlib.pyplot as plt
+    fig.text(0.01, 0.005, f"{report['date']}  {report['machine']}\n{report['command']}",
+             fontsize=6, color="gray", va="bottom")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
