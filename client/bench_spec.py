@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from .bench_report import header, save_figure, write
 
 DEMO = Path("checkpoints/demo")
 DEFAULT_OUT = Path("docs/bench/spec.json")
@@ -120,6 +120,9 @@ def run(args) -> int:
     for batch in map(int, args.batch_sizes.split(",")):
         prompts = [base_prompts[i % len(base_prompts)] for i in range(batch)]
         add(batch, "tandem", "none", 0, tandem_row(args.target, args.dtype, prompts, args.new_tokens))
+        if (args.draft / "config.json").exists():   # the draft decoding alone: its cost per token
+            add(batch, "tandem", "draft_alone", 0,
+                tandem_row(args.draft, args.dtype, prompts, args.new_tokens))
         for method, paths in methods:
             for k in map(int, args.ks.split(",")):
                 spec = SpeculativeConfig(method, k, **paths)
@@ -132,10 +135,55 @@ def run(args) -> int:
                                                        args.new_tokens, assistant_model=args.draft))
             add(batch, "hf", "prompt_lookup", 0, hf_row(args.target, args.dtype, prompts,
                                                         args.new_tokens, prompt_lookup_num_tokens=3))
-    result = dict(benchmark="spec", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=f"{platform.machine()}, {args.threads} torch threads",
-                  target=str(args.target), dtype=args.dtype, new_tokens=args.new_tokens, rows=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    result = dict(**header("spec", args), target=str(args.target), dtype=args.dtype,
+                  new_tokens=args.new_tokens, rows=rows, summary=summarize(rows))
+    write(result, args.out)
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {args.out}, {plot(rows, args.out, result)}")
     return 0
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per batch size: the best speculative row against plain decoding and against HF's
+    assisted generation, and the draft's cost per token relative to the target's."""
+    out = {}
+    for batch in sorted({r["batch"] for r in rows}):
+        rs = {(r["system"], r["method"], r["k"]): r["tokens_per_s"] for r in rows if r["batch"] == batch}
+        plain = rs.get(("tandem", "none", 0))
+        spec = {k: v for k, v in rs.items() if k[0] == "tandem" and k[1] in ("draft_target", "mtp")}
+        best = max(spec, key=spec.get) if spec else None
+        row = {"plain_tok_s": plain}
+        if best is not None and plain:
+            row.update(best=f"{best[1]} k={best[2]}", best_tok_s=round(spec[best], 1),
+                       speedup_over_plain=round(spec[best] / plain, 2))
+            hf = rs.get(("hf", "assisted", 0))
+            if hf:
+                row["speedup_over_hf_assisted"] = round(spec[best] / hf, 2)
+        draft = rs.get(("tandem", "draft_alone", 0))
+        if draft and plain:
+            row["draft_cost_over_target_cost"] = round(plain / draft, 3)
+        out[f"batch {batch}"] = row
+    return out
+
+
+def plot(rows: list[dict], out: Path, report: dict) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rs = [r for r in rows if r["batch"] == batch]
+        for method in ("draft_target", "mtp"):
+            m = sorted((r for r in rs if r["method"] == method), key=lambda r: r["k"])
+            if m:
+                ax.plot([r["k"] for r in m], [r["tokens_per_s"] for r in m], "o-", label=method)
+        for system, method, style in (("tandem", "none", "k--"), ("hf", "none", "c:"),
+                                      ("hf", "assisted", "m:"), ("hf", "prompt_lookup", "y:")):
+            r = next((r for r in rs if r["system"] == system and r["method"] == method), None)
+            if r:
+                ax.axhline(r["tokens_per_s"], ls=style[1:], color=style[0],
+                           label=f"{system} {method if method != 'none' else 'plain'}")
+        ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("tokens/s per request")
+        ax.set_title(f"batch {batch}"); ax.legend(fontsize=7)
+    return save_figure(fig, out.with_suffix(".png"), report)
