@@ -6,13 +6,14 @@ Same weights, dtype, thread count and prompts. Decode tokens/s excludes the pref
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from .bench_report import header, save_figure, write
 
 DEFAULT_OUT = Path("docs/bench/engine.json")
 
@@ -102,7 +103,20 @@ def run(args) -> int:
                           f"{platform.processor() or platform.platform()}",
                   model=str(model_dir), dtype=args.dtype, prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens, rows=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    result["command"] = header("engine", args)["command"]
+    write(result, args.out)
+    print(f"wrote {args.out}, {plot(rows, args.out, result)}")
     return 0
+
+
+def plot(rows: list[dict], out: Path, report: dict) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["tandem_tokens_per_s"] for r in rows], 0.4, label="Tandem")
+    ax.bar([x + 0.2 for x in xs], [r["hf_tokens_per_s"] for r in rows], 0.4, label="HF generate")
+    ax.set_xticks(list(xs), [str(r["batch"]) for r in rows])
+    ax.set_xlabel("batch"); ax.set_ylabel("decode tokens/s (all sequences)"); ax.legend()
+    return save_figure(fig, out.with_suffix(".png"), report)

@@ -210,8 +210,29 @@ def run(args) -> int:
     md.write_text(f"`{meta['command']}`\n\n{meta['date']}, {meta['cpus']} CPUs, load average "
                   f"{meta['loadavg'][0]:.2f} (a shared host: other jobs ran meanwhile)\n\n"
                   + report)
-    print(f"wrote {args.out} and {md}")
+    print(f"wrote {args.out}, {md} and {plot(results, args.out)}")
     return 0
+
+
+def plot(results: dict, out: Path) -> Path:
+    """GB/s against operation size, next to memcpy, per page size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .bench_report import save_figure
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for ps in sorted({r["page_size"] for r in results["throughput"]}):
+        rs = sorted((r for r in results["throughput"] if r["page_size"] == ps), key=lambda r: r["op_bytes"])
+        kib = [r["op_bytes"] / 1024 for r in rs]
+        ax.plot(kib, [r["median_gbps"] for r in rs], "o-", label=f"UCX, page {ps} (median)")
+        ax.plot(kib, [r["memcpy_gbps"] for r in rs], "--", label=f"memcpy, page {ps}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per operation (KiB)"); ax.set_ylabel("GB/s"); ax.legend(fontsize=7)
+    meta = results["meta"]
+    report = {"date": meta["date"], "command": meta["command"],
+              "machine": f"{meta.get('cpus')} CPUs, load average {meta['loadavg'][0]:.2f}"}
+    return save_figure(fig, out.with_suffix(".png"), report)
 
 
 def _report(results, args) -> str:
