@@ -16,6 +16,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from .inputs import input_getter
 from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
 from .generate_request import RequestError, parse_token_request
 from .metrics import Poller, TransferMetrics
@@ -42,9 +43,7 @@ class TritonPythonModel:
     def _one(self, request):
         from tandem.rdma.shared_pool import OutOfPages
 
-        def get(name: str):
-            t = pb_utils.get_input_tensor_by_name(request, name)
-            return None if t is None else t.as_numpy()
+        get = input_getter(request)
 
         try:
             n = len(parse_token_request(get, self.vocab_size, self.max_model_len).prompt)

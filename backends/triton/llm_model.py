@@ -29,6 +29,7 @@ import traceback
 
 import triton_python_backend_utils as pb_utils
 
+from .inputs import input_getter
 from .cancel_channel import CANCEL_TOKEN, CancelListener
 from .generate_request import TOKEN_OUTPUT_NAMES, RequestError, parse_token_request, scalar, string_array
 from .in_flight import InFlight
@@ -103,9 +104,7 @@ class TritonPythonModel:
     def _start(self, request) -> None:
         sender = request.get_response_sender()
 
-        def get(name: str):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
+        get = input_getter(request)
 
         try:
             parsed = parse_token_request(get, vocab_size=self.vocab_size, max_model_len=self.max_model_len)

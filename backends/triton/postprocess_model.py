@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from .inputs import input_getter
 from .cancel_channel import CANCEL_TOKEN, send_cancel
 from .generate_request import RequestError, scalar
 from .postprocess import ensemble_outputs
@@ -24,9 +25,7 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        def get(name: str):
-            t = pb_utils.get_input_tensor_by_name(request, name)
-            return None if t is None else t.as_numpy()
+        get = input_getter(request)
 
         try:
             if request.is_cancelled():

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from .inputs import input_getter
 from .disagg_common import INPUT_IDS
 from .generate_request import RequestError, check_context, parse_generate_request, string_array
 from .postprocess import PROMPT_ECHO, prompt_echo
@@ -33,9 +34,7 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        def get(name: str):
-            t = pb_utils.get_input_tensor_by_name(request, name)
-            return None if t is None else t.as_numpy()
+        get = input_getter(request)
         try:
             parsed = parse_generate_request(get, vocab_size=self.vocab_size)
             ids = self.tokenizer.encode(parsed.prompt).ids
