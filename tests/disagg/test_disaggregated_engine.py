@@ -188,16 +188,6 @@ def test_failed_transfer_ends_the_request_and_frees_everything(demo_checkpoint, 
     assert pool.stats().free == start.free and pool.stats().slots_active == 0
 
 
-@pytest.fixture(scope="module")
-def random_mtp_head(demo_checkpoint, tmp_path_factory):
-    from tandem.backends.models import load_model
-    from tandem.backends.models.mtp import MTPHead, save_mtp_head
-    out = tmp_path_factory.mktemp("mtp") / "random-mtp"
-    torch.manual_seed(5)
-    save_mtp_head(MTPHead(load_model(str(demo_checkpoint)).config), out, torch.float32)
-    return out
-
-
 def _speculative(method, demo_checkpoint, random_mtp_head):
     from tandem.backends.speculative import SpeculativeConfig
     if method == "draft_target":   # self-speculation: any wrong draft KV shows as rejections

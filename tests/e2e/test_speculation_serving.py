@@ -20,18 +20,6 @@ PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:", "x
 
 
 @pytest.fixture(scope="module")
-def random_mtp_head(demo_checkpoint, tmp_path_factory):
-    import torch
-
-    from tandem.backends.models import load_model
-    from tandem.backends.models.mtp import MTPHead, save_mtp_head
-    out = tmp_path_factory.mktemp("mtp") / "head"
-    torch.manual_seed(5)
-    save_mtp_head(MTPHead(load_model(str(demo_checkpoint)).config), out, torch.float32)
-    return out
-
-
-@pytest.fixture(scope="module")
 def reference(demo_checkpoint):
     import torch
 
