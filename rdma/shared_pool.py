@@ -198,7 +198,8 @@ class SharedKVPool:
     (3, True)
     >>> pool.fail(slot, gen, CANCELLED), pool.stats().free
     (True, 8)
-    >>> pool.close(); pool.unlink()
+    >>> pool.close(unlink_if_last=True)
+    True
     """
 
     def __init__(self, spec: PoolSpec, create: bool, fail_grace_s: float = 30.0):
@@ -301,13 +302,25 @@ class SharedKVPool:
             self._owner_pid[i] = pid
             return i + 1   # 0 means "no owner" in the page/slot arrays
 
-    def close(self, release: bool = True) -> None:
-        """Detach; with ``release`` return this process's pages and fail its reservations."""
+    def close(self, release: bool = True, unlink_if_last: bool = False) -> bool:
+        """Detach; with ``release`` return this process's pages and fail its reservations.
+        With ``unlink_if_last`` the pool's files go too when no other live process is
+        attached (when a model version unloads while a newer one keeps the pool, the
+        files must stay for the newer one's processes). Returns whether it unlinked."""
         if self._closed:
-            return
-        if release:
+            return False
+        unlinked = False
+        if release or unlink_if_last:
             with self._locked():
-                self._release_owner_locked(self._me, OWNER_DIED)
+                if release:
+                    self._release_owner_locked(self._me, OWNER_DIED)
+                else:
+                    self._owner_pid[self._me - 1] = 0
+                if unlink_if_last:
+                    self._reclaim_dead_locked()
+                    if not np.flatnonzero(self._owner_pid).size:
+                        self.unlink()
+                        unlinked = True
         self._closed = True
         for name in list(self.__dict__):
             if isinstance(getattr(self, name), np.ndarray):
@@ -319,6 +332,7 @@ class SharedKVPool:
             except BufferError:
                 pass   # a caller still holds a view; the mapping goes with the process
             os.close(fd)
+        return unlinked
 
     def unlink(self) -> None:
         self.unlink_stale(self.spec.name)
@@ -574,7 +588,8 @@ class SharedPageAllocator:
     1
     >>> a.free(pages); a.num_free
     4
-    >>> pool.close(); pool.unlink()
+    >>> pool.close(unlink_if_last=True)
+    True
     """
 
     def __init__(self, pool: SharedKVPool):

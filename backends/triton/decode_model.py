@@ -46,5 +46,5 @@ class TritonPythonModel(_StreamingModel):
         super().finalize()
         pool = getattr(self, "pool", None)
         if pool is not None:
-            pool.close()
-            pool.unlink()
+            # the last process attached removes the files (another version may still use them)
+            pool.close(unlink_if_last=True)

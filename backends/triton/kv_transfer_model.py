@@ -69,5 +69,5 @@ class TritonPythonModel:
             self.metrics.close()   # while the stub can still talk to the server
             self.metrics = None
         if pool is not None:
-            pool.close()
-            pool.unlink()
+            # the last process attached removes the files (another version may still use them)
+            pool.close(unlink_if_last=True)

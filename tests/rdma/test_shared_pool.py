@@ -155,3 +155,19 @@ def test_open_of_a_missing_pool_says_so():
     from tandem.rdma import SharedKVPool
     with pytest.raises(PoolError, match="not found"):
         SharedKVPool.open("tkv-test-no-such-pool", timeout_s=0.05)
+
+
+def test_the_last_process_to_close_removes_the_pool(make_pool):
+    """kv_transfer and decode (and a newer version of either) share one pool: whichever
+    unloads first must leave the files to the others."""
+    import os
+
+    from tandem.rdma import SharedKVPool
+    pool = make_pool([MODEL], num_pages=8)
+    other = SharedKVPool.open(pool.spec.name)
+    files = lambda: [f for f in os.listdir("/dev/shm") if f.startswith(pool.spec.name + ".")]
+    assert files()
+    assert other.close(unlink_if_last=True) is False and files()
+    late = SharedKVPool.open(pool.spec.name)       # a newer version attaching meanwhile
+    assert pool.close(unlink_if_last=True) is False and files()
+    assert late.close(unlink_if_last=True) is True and files() == []
