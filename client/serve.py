@@ -208,6 +208,9 @@ class TritonServer:
     log_verbose: int = 0
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] | None = None   # pin the server and its models (benchmarks)
+    # "explicit": every model is loaded at start and the repository API (load / unload,
+    # e.g. to roll a new version) is open; "none": the repository is fixed
+    model_control_mode: str = "none"
     exit_timeout_s: int = 10
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -282,6 +285,8 @@ class TritonServer:
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false",
             "--disable-auto-complete-config",
+            f"--model-control-mode={self.model_control_mode}",
+            *(["--load-model=*"] if self.model_control_mode == "explicit" else []),
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
         ]
@@ -421,6 +426,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
                         "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them; "
                         "prefill: a prefill server for decode servers started with --prefill-endpoints")
+    p.add_argument("--model-control-mode", choices=("none", "explicit"), default="none",
+                   help="explicit: open Triton's repository API (load/unload models, roll versions)")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -444,7 +451,8 @@ def run(args: argparse.Namespace) -> int:
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,
-                          log_verbose=args.log_verbose, ready_timeout_s=args.ready_timeout)
+                          log_verbose=args.log_verbose, ready_timeout_s=args.ready_timeout,
+                          model_control_mode=args.model_control_mode)
     stop = threading.Event()
     phase = ["starting"]
 
