@@ -118,6 +118,11 @@ class _Registry:
         gc.collect()
 
 
+def _set_pages(r: _Registry, pages: dict[str, int]) -> None:
+    for state in PAGE_STATES:
+        r.metric("tandem_kv_pages", "gauge", "KV cache pages by state", state=state).set(pages[state])
+
+
 class EngineMetrics:
     """What the ``llm`` and ``decode`` models record about requests and the engine."""
 
@@ -196,9 +201,7 @@ class EngineMetrics:
         else:
             a = engine.allocator
             pages = {"free": a.num_free, "reserved": 0, "in_use": a.num_used}
-        for state in PAGE_STATES:
-            r.metric("tandem_kv_pages", "gauge", "KV cache pages by state",
-                     state=state).set(pages[state])
+        _set_pages(r, pages)
         for reason, total in (failures or {}).items():
             r.metric("tandem_kv_transfer_failures_total", "counter",
                      "requests whose prompt KV never arrived, by reason",
@@ -229,8 +232,7 @@ class TransferMetrics:
         r.metric("tandem_kv_reservations_total", "counter", "decode page reservations made"
                  ).increment(d.take("reservations", stats.reservations))
         s = pool.stats()
-        for state, n in (("free", s.free), ("reserved", s.reserved), ("in_use", s.in_use)):
-            r.metric("tandem_kv_pages", "gauge", "KV cache pages by state", state=state).set(n)
+        _set_pages(r, {"free": s.free, "reserved": s.reserved, "in_use": s.in_use})
 
     def close(self) -> None:
         self._r.close()
