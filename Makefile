@@ -30,7 +30,7 @@ test-unit: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
-# every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png
+# every benchmark, one after another (about half an hour here); each writes docs/bench/<name>.json + .png
 BENCHMARKS := engine spec transfer spec-serving serving scaling load
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done
