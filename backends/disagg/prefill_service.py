@@ -17,11 +17,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
 from typing import Callable
 
 from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig
 
+from ..engine.inbox import Inbox
 from ..engine.llm_engine import EngineConfig
 from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
 from .pool import TARGET
@@ -40,9 +40,7 @@ class PrefillService(PrefillHooks):
         self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
         self._transfers: dict[str, object] = {}
-        self._inbox: deque = deque()
-        self._wake = threading.Condition()
-        self._stopped = False
+        self._inbox = Inbox()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="tandem-prefill", daemon=True)
 
@@ -50,9 +48,7 @@ class PrefillService(PrefillHooks):
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
+        self._inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.sender.close()
@@ -69,16 +65,12 @@ class PrefillService(PrefillHooks):
                              f"this prefill produces {self.kv_names} (do both sides speculate "
                              f"alike?)")
         rid = f"prefill-{next(self._ids)}"
-        with self._wake:
-            self._inbox.append(("add", rid, (desc, list(prompt_ids), on_done)))
-            self._wake.notify()
+        self._inbox.post("add", rid, (desc, list(prompt_ids), on_done))
         return rid
 
     # -- messenger thread -----------------------------------------------------------------
     def _transfer_done(self, rid: str, t) -> None:
-        with self._wake:
-            self._inbox.append(("done", rid, t))
-            self._wake.notify()
+        self._inbox.post("done", rid, t)
 
     # -- engine thread: hooks -------------------------------------------------------------
     def on_admit(self, req: PrefillRequest) -> None:
@@ -99,13 +91,9 @@ class PrefillService(PrefillHooks):
     # -- engine thread: loop --------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._inbox and not self.engine.has_work() and not self._stopped:
-                    self._wake.wait()
-                if self._stopped:
-                    return
-                items = list(self._inbox)
-                self._inbox.clear()
+            items = self._inbox.take(self.engine.has_work)
+            if self._inbox.stopped:
+                return
             for kind, rid, obj in items:
                 if kind == "add":
                     self._add(rid, *obj)

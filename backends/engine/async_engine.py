@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from typing import Callable
 
+from .inbox import Inbox
 from .llm_engine import EngineConfig, LLMEngine, RequestOutput
 from .params import SamplingParams
 from .remote_prefill import KVTicket, PendingPrefills
@@ -31,9 +31,7 @@ class AsyncEngine:
                                 proposer_kv_pool)
         self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
         self._callbacks: dict[str, OutputCallback] = {}
-        self._inbox: deque = deque()
-        self._wake = threading.Condition()
-        self._stopped = False
+        self._inbox = Inbox()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._lock = threading.Lock()   # guards make_sequence's request-id counter
 
@@ -53,9 +51,7 @@ class AsyncEngine:
                on_output: OutputCallback) -> str:
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
-        with self._wake:
-            self._inbox.append(("add", seq, on_output))
-            self._wake.notify()
+        self._inbox.post("add", seq, on_output)
         return seq.request_id
 
     def submit_prefilled(self, prompt: str | list[int], params: SamplingParams,
@@ -65,33 +61,22 @@ class AsyncEngine:
         over the pages; until then it holds no slot and stalls no other sequence."""
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
-        with self._wake:
-            self._inbox.append(("remote", (seq, ticket), on_output))
-            self._wake.notify()
+        self._inbox.post("remote", (seq, ticket), on_output)
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
-        with self._wake:
-            self._inbox.append(("abort", request_id, None))
-            self._wake.notify()
+        self._inbox.post("abort", request_id, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
+        self._inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _drain_inbox(self) -> list[tuple[OutputCallback, RequestOutput]]:
         aborted = []
-        with self._wake:
-            while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
-                if self._pending:   # poll the transfers' counters, gently
-                    self._wake.wait(self._pending.poll_s)
-                    break
-                self._wake.wait()
-            items = list(self._inbox)
-            self._inbox.clear()
+        # with transfers pending, poll their counters gently
+        items = self._inbox.take(self.engine.has_unfinished,
+                                 self._pending.poll_s if self._pending else None)
         for kind, obj, cb in items:
             if kind == "add":
                 self._callbacks[obj.request_id] = cb
@@ -119,7 +104,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             deliveries = self._drain_inbox()
-            if self._stopped:
+            if self._inbox.stopped:
                 for rid in self._pending.request_ids():
                     deliveries.append((self._callbacks.pop(rid), self._pending.cancel(rid)))
                 for rid in list(self.engine.seqs):

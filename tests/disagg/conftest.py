@@ -14,22 +14,16 @@ torch.set_num_threads(1)
 _names = itertools.count()
 
 
-def _peer(name):
-    p = Peer(name)
-    p("pid")
-    return p
-
-
 @pytest.fixture(scope="session")
 def rx_peer():
-    p = _peer("kv_transfer")
+    p = Peer.started("kv_transfer")
     yield p
     p.close()
 
 
 @pytest.fixture(scope="session")
 def prefill_peer():
-    p = _peer("prefill")
+    p = Peer.started("prefill")
     yield p
     p.close()
 

@@ -33,29 +33,23 @@ def make_pool():
         pool.unlink()
 
 
-def _peer(name):
-    p = Peer(name)
-    p("pid")   # started and imported
-    return p
-
-
 @pytest.fixture(scope="session")
 def rx():
-    p = _peer("rx")
+    p = Peer.started("rx")
     yield p
     p.close()
 
 
 @pytest.fixture(scope="session")
 def tx0():
-    p = _peer("tx0")
+    p = Peer.started("tx0")
     yield p
     p.close()
 
 
 @pytest.fixture(scope="session")
 def tx1():
-    p = _peer("tx1")
+    p = Peer.started("tx1")
     yield p
     p.close()
 
@@ -66,7 +60,7 @@ def fresh_peers():
     made = []
 
     def make(name):
-        p = _peer(name)
+        p = Peer.started(name)
         made.append(p)
         return p
 

@@ -60,6 +60,13 @@ class Peer:
         self.proc.start()
         child.close()
 
+    @classmethod
+    def started(cls, name: str) -> "Peer":
+        """A peer whose process is up and has imported its module."""
+        p = cls(name)
+        p("pid")
+        return p
+
     def __call__(self, fn: str, *args, timeout: float = 60.0, **kwargs):
         self.conn.send((fn, args, kwargs))
         if not self.conn.poll(timeout):
