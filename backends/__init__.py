@@ -1,5 +1,11 @@
-"""Tandem's engine: models, paged KV cache, attention, scheduling, speculation."""
-from .engine import LLM, SamplingParams
-from .speculative import SpeculativeConfig
+"""Tandem's engine: models, paged KV cache, attention, scheduling, speculation.
+
+Layers, each importing only those before it: ``models``, ``attention`` ->
+``kv_cache`` -> ``speculative`` -> ``engine`` -> ``training`` | ``disagg`` ->
+``triton``. Imports are lazy: a Triton stub loads only what its model uses.
+"""
+from .lazy import lazy_exports
 
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig"]
+__getattr__ = lazy_exports(__name__, {"LLM": ".engine.llm", "SamplingParams": ".engine.params",
+                                      "SpeculativeConfig": ".speculative.config"})

@@ -80,7 +80,7 @@ class ServeOptions:
         if self.mode not in MODES:
             raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
         if self.prefill_endpoints:
-            from tandem.backends.disagg.prefill_router import parse_endpoints
+            from tandem.backends.triton.prefill_router import parse_endpoints
             if "prefill" not in MODES[self.mode] or self.mode == "prefill":
                 raise ServerError(f"--prefill-endpoints is for a decode server (--mode "
                                   f"disaggregated or both), not --mode {self.mode}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("NHD", "HND")
+from ..kv_cache.pages import KV_LAYOUTS as LAYOUTS
 
 
 def check_layout(kv_layout: str) -> str:

@@ -1,15 +1,15 @@
 """Disaggregated serving: the glue between the engines (:mod:`..engine`) and the KV
-transfer (:mod:`tandem.rdma`), with no Triton in it.
+transfer (:mod:`tandem.rdma`), with no Triton in it. Names load on first use.
 
 - :mod:`.pool` — the decode pool's geometry, derived from the checkpoint
 - :mod:`.prefill_service` — the prefill engine on its own thread, streaming KV
 - :mod:`.decode` — the decode engine on the shared pool; tickets over reservations
 """
-from .decode import SharedPoolTicket, decode_engine
-from .pool import (CONTEXT, TARGET, context_nbytes, decode_pool_spec, default_num_pages,
-                   open_or_create, server_pool_name)
-from .prefill_service import PrefillService
+from ..lazy import lazy_exports
 
-__all__ = ["SharedPoolTicket", "decode_engine", "CONTEXT", "TARGET", "context_nbytes",
-           "decode_pool_spec", "default_num_pages", "open_or_create", "server_pool_name",
-           "PrefillService"]
+_EXPORTS = {"SharedPoolTicket": ".decode", "decode_engine": ".decode", "CONTEXT": ".pool",
+            "TARGET": ".pool", "context_nbytes": ".pool", "decode_pool_spec": ".pool",
+            "open_or_create": ".pool", "server_pool_name": ".pool",
+            "PrefillService": ".prefill_service"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -36,20 +36,6 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
                     context_bytes=context_nbytes(model_dir, dtype))
 
 
-DEFAULT_POOL_BYTES = 512 << 20
-
-
-def default_num_pages(model_dir: str, dtype: str, page_size: int, max_num_seqs: int,
-                      max_model_len: int | None = None) -> int:
-    """As the colocated engine sizes its pool: 512 MiB, capped at what is useful."""
-    cfg = ModelConfig.from_dir(model_dir)
-    page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim
-                  * DTYPE_SIZES[dtype])
-    max_len = max_model_len or cfg.max_position_embeddings
-    useful = max_num_seqs * -(-max_len // page_size)
-    return max(1, min(DEFAULT_POOL_BYTES // page_bytes, useful))
-
-
 def server_pool_name(tag: str = "decode") -> str:
     """The pool name every model process of one tritonserver derives alike: the
     server's pid (the stubs' parent) keys it, so two servers never share a pool."""

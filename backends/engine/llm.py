@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence as Seq
 
-from .llm_engine import EngineConfig, LLMEngine, RequestOutput
-from ..speculative import SpeculativeConfig
+from .config import EngineConfig
+from .llm_engine import LLMEngine, RequestOutput
 from .params import SamplingParams
 
 
@@ -25,13 +25,11 @@ class LLM:
     >>> print(out[0].text, out[0].finish_reason)                       # doctest: +SKIP
     """
 
-    def __init__(self, model_dir: str, dtype: str = "float32", page_size: int = 16,
-                 kv_layout: str = "HND", num_pages: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 device: str = "cpu", speculative: SpeculativeConfig | None = None):
-        self.engine = LLMEngine(EngineConfig(
-            str(model_dir), dtype, page_size, kv_layout, num_pages, max_num_seqs,
-            max_num_batched_tokens, max_model_len, device, speculative))
+    def __init__(self, model_dir: str, **engine_args):
+        """``engine_args``: :class:`EngineConfig`'s fields (dtype, page_size, kv_layout,
+        num_pages, max_num_seqs, max_num_batched_tokens, max_model_len, device,
+        speculative), with its defaults."""
+        self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args))
 
     @property
     def tokenizer(self):

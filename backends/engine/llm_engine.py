@@ -6,21 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import KV_LAYOUTS, KVPagePool, PageAllocator, pages_needed
+from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
-from ..speculative import SpecDecodeMetrics, SpeculativeConfig
-from ..speculative.proposers import StepHidden, load_proposer_model, make_proposer
-from ..speculative.verification import verify_drafts
+from ..speculative.config import SpeculativeConfig
+from ..speculative.metrics import SpecDecodeMetrics
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
-from .sampler import sample
+from .proposers import StepHidden, load_proposer_model, make_proposer
+from .sampler import sample, verify_drafts
 from .scheduler import Scheduler
 from .sequence import Sequence
-
-DEFAULT_KV_CACHE_BYTES = 512 << 20
-
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -35,7 +33,7 @@ class RequestOutput:
     error: str | None = None        # with "error": what went wrong, for the client
 
 
-def check_pool_fits(pool: KVPagePool, cfg, dtype, config: "EngineConfig") -> None:
+def check_pool_fits(pool: KVPagePool, cfg, dtype, config: EngineConfig) -> None:
     """An external KV pool must have the model's geometry and the engine's layout."""
     want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.page_size,
             config.kv_layout, dtype)
@@ -46,36 +44,9 @@ def check_pool_fits(pool: KVPagePool, cfg, dtype, config: "EngineConfig") -> Non
                          f"dtype) = {have}; the model and engine config need {want}")
 
 
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    model_dir: str
-    dtype: str = "float32"
-    page_size: int = 16
-    kv_layout: str = "HND"
-    num_pages: int | None = None      # default: a 512 MiB KV pool, capped at what is useful
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    device: str = "cpu"
-    speculative: SpeculativeConfig | None = None
-
-    def validate(self) -> None:
-        if self.speculative is not None:
-            self.speculative.validate()
-        if self.page_size <= 0:
-            raise ValueError(f"page_size={self.page_size} is invalid; allowed: an integer >= 1")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={self.kv_layout!r} is invalid; allowed: HND, NHD")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} is invalid; allowed: >= 1")
-        if self.num_pages is not None and self.num_pages <= 0:
-            raise ValueError(f"num_pages={self.num_pages} is invalid; allowed: >= 1")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_pool: KVPagePool | None = None,
-                 allocator: PageAllocator | None = None,
+                 allocator: KVAllocator | None = None,
                  proposer_kv_pool: KVPagePool | None = None):
         """``kv_pool`` and ``allocator`` (both or neither) put the target's KV on an
         external pool, e.g. the decode pool shared with the KV receiver; with speculation
@@ -99,10 +70,10 @@ class LLMEngine:
                                  "proposer_kv_pool: the draft KV lives next to the target's")
             num_pages, self.allocator, self.pool = kv_pool.num_pages, allocator, kv_pool
         else:
-            num_pages = config.num_pages or self._default_num_pages(dtype)
+            num_pages = config.num_pages_for(cfg)
             self.allocator = PageAllocator(num_pages)
-            self.pool = KVPagePool(cfg.num_hidden_layers, num_pages, cfg.num_key_value_heads,
-                                   page_size, cfg.head_dim, dtype, config.kv_layout, config.device)
+            self.pool = KVPagePool.for_model(cfg, num_pages, page_size, dtype, config.kv_layout,
+                                             config.device)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
@@ -114,7 +85,6 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self._arrivals = itertools.count()
 
     def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype,
                        pool: KVPagePool | None):
@@ -124,22 +94,14 @@ class LLMEngine:
         c = self.config
         model = load_proposer_model(spec, self.model, c.dtype, c.device)
         if pool is None:
-            pool = KVPagePool(model.config.num_hidden_layers, num_pages,
-                              model.config.num_key_value_heads, c.page_size, model.config.head_dim,
-                              dtype, c.kv_layout, c.device)
+            pool = KVPagePool.for_model(model.config, num_pages, c.page_size, dtype, c.kv_layout,
+                                        c.device)
         else:
             check_pool_fits(pool, model.config, dtype, c)
             if pool.num_pages != num_pages:
                 raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
                                  f"{num_pages}: they share page ids")
         return make_proposer(model, self.model, pool)
-
-    def _default_num_pages(self, dtype) -> int:
-        cfg, c = self.model.config, self.config
-        page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * c.page_size
-                      * cfg.head_dim * torch.finfo(dtype).bits // 8)
-        useful = c.max_num_seqs * pages_needed(self.max_model_len, c.page_size)
-        return max(1, min(DEFAULT_KV_CACHE_BYTES // page_bytes, useful))
 
     # -- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -189,7 +151,6 @@ class LLMEngine:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        seq.arrival = next(self._arrivals)
         self.seqs[seq.request_id] = seq
         self.detoks[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, seq.params.stop)
@@ -210,7 +171,7 @@ class LLMEngine:
         seq.pages, seq.num_computed = list(pages), n - 1
         if self.proposer is not None:
             # the prefill filled the proposer's KV for the same tokens (its rows 0..n-2)
-            seq.draft_computed = n - 1
+            seq.draft.computed = n - 1
         self.add(seq)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
@@ -279,7 +240,7 @@ class LLMEngine:
                                        hidden.view(len(seqs), k + 1, -1)[survivors],
                                        [starts[i] for i in survivors])
             for s in live:
-                self.scheduler.trim(s, max(s.num_tokens, s.draft_computed))
+                self.scheduler.trim(s, max(s.num_tokens, s.draft.computed))
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:

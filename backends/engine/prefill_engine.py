@@ -26,11 +26,11 @@ from typing import Callable
 
 import torch
 
-from ..kv_cache import KVPagePool, PageAllocator, pages_needed
+from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
-from ..speculative.proposers import ProposerPrefill, load_proposer_model
-from .llm_engine import DEFAULT_KV_CACHE_BYTES
+from .config import EngineConfig
 from .model_runner import ForwardBatch, ModelRunner
+from .proposers import ProposerPrefill, load_proposer_model
 
 LayerCallback = Callable[[int], None]
 TARGET = "target"     # the target model's KV, as the hooks and a KV transfer name it
@@ -68,7 +68,7 @@ class PrefillHooks:
 
 
 class PrefillEngine:
-    def __init__(self, model, pool: KVPagePool, allocator: PageAllocator,
+    def __init__(self, model, pool: KVPagePool, allocator: KVAllocator,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  hooks: PrefillHooks | None = None,
                  proposer: tuple[str, ProposerPrefill] | None = None):
@@ -83,20 +83,17 @@ class PrefillEngine:
         self.finished: dict[str, PrefillRequest] = {}  # holding pages until released
 
     @classmethod
-    def from_config(cls, config, hooks: PrefillHooks | None = None) -> "PrefillEngine":
-        """Build from an :class:`~.llm_engine.EngineConfig`; with ``config.speculative``
+    def from_config(cls, config: EngineConfig, hooks: PrefillHooks | None = None) -> "PrefillEngine":
+        """Build from an :class:`EngineConfig`; with ``config.speculative``
         the proposer's KV is filled as well."""
         config.validate()
         model = load_model(config.model_dir, config.dtype, config.device)
         cfg, dtype = model.config, model.embed_tokens.weight.dtype
-        page_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * config.page_size
-                      * cfg.head_dim * torch.finfo(dtype).bits // 8)
-        useful = config.max_num_seqs * pages_needed(
-            config.max_model_len or cfg.max_position_embeddings, config.page_size)
-        num_pages = config.num_pages or max(1, min(DEFAULT_KV_CACHE_BYTES // page_bytes, useful))
+        num_pages = config.num_pages_for(cfg)
+
         def pool(c):
-            return KVPagePool(c.num_hidden_layers, num_pages, c.num_key_value_heads,
-                              config.page_size, c.head_dim, dtype, config.kv_layout, config.device)
+            return KVPagePool.for_model(c, num_pages, config.page_size, dtype, config.kv_layout,
+                                        config.device)
         proposer, spec = None, config.speculative
         if spec is not None and spec.enabled:
             p = load_proposer_model(spec, model, config.dtype, config.device)

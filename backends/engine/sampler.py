@@ -1,8 +1,10 @@
-"""Token sampling: temperature, top-k, top-p, per-request seeds. Pure tensor maths."""
+"""From logits to tokens, per request settings: plain sampling (temperature, top-k,
+top-p, seeds) and the verification of greedy drafts. Pure tensor maths."""
 from __future__ import annotations
 
 import torch
 
+from ..speculative.verify import chain_speculative_sampling
 from .params import SamplingParams
 
 
@@ -28,6 +30,19 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return filtered.softmax(-1)
 
 
+def request_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, n, V] logits of non-greedy requests -> each request's filtered distribution
+    at each of its ``n`` positions."""
+    r, n, v = logits.shape
+
+    def per_row(field, dtype):
+        return torch.tensor([getattr(p, field) for p in params for _ in range(n)], dtype=dtype)
+
+    flat = logits.reshape(r * n, v)
+    return filtered_probs(flat, per_row("temperature", flat.dtype), per_row("top_k", torch.long),
+                          per_row("top_p", flat.dtype)).view(r, n, v)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """One token per row. Greedy rows take the argmax; the others draw from their
@@ -37,13 +52,49 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
-    sub = logits[rows]
-    probs = filtered_probs(
-        sub,
-        torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype),
-        torch.tensor([params[i].top_k for i in rows]),
-        torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype),
-    )
+    probs = request_probs(logits[rows, None], [params[i] for i in rows])[:, 0]
     for j, i in enumerate(rows):
         tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     return tokens
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[B, n, V] logits -> the distributions each request samples from: one-hot argmax
+    for greedy requests, temperature/top-k/top-p filtered otherwise (as plain sampling)."""
+    probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        probs[rows] = request_probs(logits[rows], [params[i] for i in rows])
+    return probs
+
+def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
+    """Verify greedy drafts [B, k] against target logits [B, k+1, V].
+
+    Returns the verified tokens [B, k+1] (-1 padded) and the accepted draft count per
+    request. Greedy drafts are one-hot draft distributions; a seeded request is verified
+    with its own generator so its output does not depend on the rest of the batch."""
+    b, k = drafts.shape
+    out = torch.empty(b, k + 1, dtype=torch.int32)
+    emitted = torch.empty(b, dtype=torch.int32)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        # one-hot p and q: the rejection sampler reduces to "keep drafts while they equal
+        # the target's argmax, then the argmax" -- the same tokens, without vocab-sized work
+        best = logits[greedy].argmax(-1)
+        n = (drafts[greedy] == best[:, :k]).int().cumprod(1).sum(1)
+        keep = torch.arange(k + 1)[None, :] <= n[:, None]
+        out[greedy] = torch.where(keep, best, -1).to(torch.int32)
+        emitted[greedy] = n.to(torch.int32)
+    if len(greedy) == b:
+        return out, emitted.tolist()
+    p = target_probs(logits, params)
+    q = torch.nn.functional.one_hot(drafts, logits.shape[-1]).to(p.dtype)
+    shared = [i for i, g in enumerate(generators) if g is None and not params[i].greedy]
+    if shared:
+        out[shared], _, emitted[shared] = chain_speculative_sampling(q[shared], drafts[shared], p[shared])
+    for i, g in enumerate(generators):
+        if g is not None and not params[i].greedy:
+            o, _, e = chain_speculative_sampling(q[i:i + 1], drafts[i:i + 1], p[i:i + 1], generator=g)
+            out[i], emitted[i] = o[0], e[0]
+    return out, emitted.tolist()

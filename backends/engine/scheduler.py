@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..kv_cache import PageAllocator, pages_needed
+from ..kv_cache import KVAllocator, pages_needed
 from .sequence import Sequence, SeqStatus
 
 
@@ -29,18 +29,14 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
-class BatchPlan:
-    """The interface between scheduler and model runner for one step."""
+class SchedulerOutput:
+    """The interface between scheduler and engine for one step (vLLM's name)."""
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+    def __init__(self, allocator: KVAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0):
         self.allocator = allocator
         # speculative decoding writes KV for k drafts (and the draft model one token)
@@ -55,11 +51,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> BatchPlan:
-        plan = BatchPlan()
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # running sequences first (decodes and unfinished prefill chunks), oldest first;
         # when pages run out the newest running sequence is preempted
@@ -129,6 +122,4 @@ class Scheduler:
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
-        seq.num_computed = 0
-        seq.draft_computed = 0
-        seq.draft_logits = seq.draft_hidden = None
+        seq.drop_kv()

@@ -15,6 +15,16 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class DraftState:
+    """A proposer's view of one sequence (draft model or MTP head): its cached length,
+    and the logits (for MTP also the hidden state) its last run left for the next
+    step's first draft. Only the proposers give it meaning."""
+    computed: int = 0
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -27,13 +37,8 @@ class Sequence:
     num_computed: int = 0               # tokens whose KV is in the cache
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    arrival: int = 0                    # admission order; preemption takes the newest first
     num_preemptions: int = 0
-    # speculative decoding: the draft's (or MTP head's) cached length, and the logits
-    # (and for MTP the hidden state) its last run left for the next step's first draft
-    draft_computed: int = 0
-    draft_logits: torch.Tensor | None = None
-    draft_hidden: torch.Tensor | None = None
+    draft: DraftState = field(default_factory=DraftState)
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +51,11 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    def drop_kv(self) -> None:
+        """Its KV is gone (finished, preempted): nothing is cached, for target or proposer."""
+        self.num_computed = 0
+        self.draft = DraftState()
 
     @property
     def is_finished(self) -> bool:

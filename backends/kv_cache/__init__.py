@@ -1,6 +1,10 @@
-from .allocator import OutOfPages, PageAllocator
-from .page_pool import KV_LAYOUTS, KVPagePool, page_shape
-from .page_table import PageTable, build_page_table, last_page_len, pages_needed
+"""Paged KV memory and its bookkeeping: the pool, the page allocators, page tables.
+Names load on first use (``pages`` is torch-free)."""
+from ..lazy import lazy_exports
 
-__all__ = ["OutOfPages", "PageAllocator", "KV_LAYOUTS", "KVPagePool", "page_shape",
-           "PageTable", "build_page_table", "last_page_len", "pages_needed"]
+_EXPORTS = {"KVAllocator": ".allocator", "OutOfPages": ".allocator", "PageAllocator": ".allocator",
+            "KVPagePool": ".page_pool", "page_shape": ".page_pool", "KV_LAYOUTS": ".pages",
+            "pages_needed": ".pages", "last_page_len": ".pages", "PageTable": ".page_table",
+            "build_page_table": ".page_table"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,18 +1,40 @@
-"""Page allocator: free list, reference counts, pinned (un-evictable) pages.
+"""Page allocators: which page ids are free. Pure bookkeeping; never touches KV memory.
 
-Pure bookkeeping over page ids; it never touches KV memory.
+:class:`KVAllocator` is what the engine's scheduler needs of one; the engine's own
+:class:`PageAllocator` and the shared decode pool's allocator (``tandem.rdma``)
+both provide it.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol, runtime_checkable
 
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; nothing was allocated."""
 
 
+@runtime_checkable
+class KVAllocator(Protocol):
+    """All-or-nothing allocation of page ids ``0 .. num_pages-1``. Callers ask
+    ``can_alloc(n)`` first; ``alloc`` raises when there are not ``n`` free pages."""
+    num_pages: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...
+
+    def can_alloc(self, n: int) -> bool: ...
+
+    def alloc(self, n: int) -> list[int]: ...
+
+    def free(self, pages: list[int]) -> None: ...
+
+
 class PageAllocator:
-    """All-or-nothing allocation of page ids ``0 .. num_pages-1``.
+    """One process's free list.
 
     >>> a = PageAllocator(4)
     >>> pages = a.alloc(3); a.num_free
@@ -26,8 +48,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._refcount = [0] * num_pages
-        self._pinned = [False] * num_pages
+        self._allocated = [False] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -37,60 +58,27 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    @property
-    def num_pinned(self) -> int:
-        return sum(self._pinned)
-
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def alloc(self, n: int, pinned: bool = False) -> list[int]:
+    def alloc(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
-            self._refcount[p] = 1
-            self._pinned[p] = pinned
+            self._allocated[p] = True
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """Another owner holds these pages (prefix sharing, forks)."""
-        for p in pages:
-            self._check_live(p)
-        for p in pages:
-            self._refcount[p] += 1
-
     def free(self, pages: list[int]) -> None:
-        """Drop one reference per page; a page returns to the free list at zero."""
         for p in pages:
-            self._check_live(p)
-            if self._pinned[p] and self._refcount[p] == 1:
-                raise ValueError(f"page {p} is pinned; unpin it before its last free")
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"page id {p} out of range 0..{self.num_pages - 1}")
+            if not self._allocated[p]:
+                raise ValueError(f"page {p} is not allocated (double free?)")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages {pages} list a page twice (double free?)")
         for p in pages:
-            self._refcount[p] -= 1
-            if self._refcount[p] == 0:
-                self._free.append(p)
-
-    def pin(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check_live(p)
-            self._pinned[p] = True
-
-    def unpin(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check_live(p)
-            self._pinned[p] = False
-
-    def is_pinned(self, page: int) -> bool:
-        return self._pinned[page]
-
-    def refcount(self, page: int) -> int:
-        return self._refcount[page]
-
-    def _check_live(self, p: int) -> None:
-        if not 0 <= p < self.num_pages:
-            raise ValueError(f"page id {p} out of range 0..{self.num_pages - 1}")
-        if self._refcount[p] == 0:
-            raise ValueError(f"page {p} is not allocated (double free?)")
+            self._allocated[p] = False
+            self._free.append(p)

@@ -1,9 +1,18 @@
 """KV page memory for all layers of one model, in FlashInfer's paged shapes."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-KV_LAYOUTS = ("HND", "NHD")
+from .pages import KV_LAYOUTS
+
+
+class KVShape(Protocol):
+    """What a pool needs of a model (a ``ModelConfig`` has it)."""
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 def page_shape(kv_layout: str, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, ...]:
@@ -35,6 +44,14 @@ class KVPagePool:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         else:
             self.kv = buffer.view(dtype).view(shape)
+
+    @classmethod
+    def for_model(cls, model: KVShape, num_pages: int, page_size: int, dtype: torch.dtype,
+                  kv_layout: str = "HND", device: torch.device | str = "cpu",
+                  buffer: torch.Tensor | None = None) -> "KVPagePool":
+        """A pool with ``model``'s geometry: all its layers and KV heads."""
+        return cls(model.num_hidden_layers, num_pages, model.num_key_value_heads, page_size,
+                   model.head_dim, dtype, kv_layout, device, buffer)
 
     def layer(self, i: int) -> torch.Tensor:
         return self.kv[i]

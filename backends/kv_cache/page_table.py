@@ -1,19 +1,11 @@
-"""Page arithmetic and FlashInfer's int32 page-table tensors, as pure functions."""
+"""FlashInfer's int32 page-table tensors for a batch, as pure functions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
-    return -(-num_tokens // page_size)
-
-
-def last_page_len(kv_len: int, page_size: int) -> int:
-    """Tokens in the last page, 1..page_size (FlashInfer's ``kv_last_page_len``)."""
-    return (kv_len - 1) % page_size + 1 if kv_len > 0 else 0
+from .pages import last_page_len, pages_needed
 
 
 @dataclass(slots=True)

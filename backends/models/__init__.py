@@ -1,5 +1,8 @@
-from .config import ModelConfig
-from .llama import LlamaForCausalLM, forward_dense
-from .loader import load_model, parse_dtype
+"""Llama-family models (target, draft, MTP head) and the HF checkpoint loader.
+Names load on first use (``config`` is torch-free)."""
+from ..lazy import lazy_exports
 
-__all__ = ["ModelConfig", "LlamaForCausalLM", "forward_dense", "load_model", "parse_dtype"]
+_EXPORTS = {"ModelConfig": ".config", "DTYPES": ".config", "LlamaForCausalLM": ".llama",
+            "forward_dense": ".llama", "load_model": ".loader", "parse_dtype": ".loader"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

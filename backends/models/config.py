@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the weight/KV dtypes served
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(slots=True, frozen=True)

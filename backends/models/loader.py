@@ -8,18 +8,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import ModelConfig
+from .config import DTYPES, ModelConfig
 from .llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from ..engine.params import SamplingParams
 from ..kv_cache import pages_needed
 from ..models.tokenizer import load_tokenizer
 from ..speculative import SpeculativeConfig
-from ..speculative.proposers import DraftModelProposer, MTPProposer
+from ..engine.proposers import DraftModelProposer, MTPProposer
 from .hidden_states import target_fingerprint
 
 log = logging.getLogger("tandem.train")

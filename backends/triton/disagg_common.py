@@ -15,8 +15,11 @@ NO_TRANSFER = b"\0"
 
 def pool_spec(s: EngineSettings):
     """The shared decode pool of this server, from the model's settings."""
-    from tandem.backends.disagg import decode_pool_spec, default_num_pages, server_pool_name
-    num_pages = s.num_pages or default_num_pages(s.model_dir, s.dtype, s.page_size, s.max_num_seqs)
+    from tandem.backends.disagg import decode_pool_spec, server_pool_name
+    from tandem.backends.engine.config import default_num_pages
+    from tandem.backends.models.config import ModelConfig
+    num_pages = s.num_pages or default_num_pages(ModelConfig.from_dir(s.model_dir), s.dtype,
+                                                 s.page_size, s.max_num_seqs)
     # with speculation the proposer's KV shares the pool (and every reservation)
     return decode_pool_spec(server_pool_name(), s.model_dir, s.dtype, s.page_size, s.kv_layout,
                             num_pages, speculative=s.speculative())

@@ -8,7 +8,7 @@ its reservation's counter, not from this model.
 With the ``prefill_endpoints`` parameter (``tandem serve --prefill-endpoints``) this
 model computes nothing: it forwards each job to the ``prefill`` model of a prefill
 server (``tandem serve --mode prefill``), which streams the KV over UCX straight into
-this server's reserved pages (:class:`~tandem.backends.disagg.prefill_router.PrefillRouter`).
+this server's reserved pages (:class:`~tandem.backends.triton.prefill_router.PrefillRouter`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class TritonPythonModel:
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.service = self.router = None
         if s.prefill_endpoints:
-            from tandem.backends.disagg.prefill_router import PrefillRouter, parse_endpoints
+            from tandem.backends.triton.prefill_router import PrefillRouter, parse_endpoints
             self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints))
             pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)}")
             return

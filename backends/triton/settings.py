@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from ..speculative import SpeculativeConfig
+from ..engine.config import ENGINE_DEFAULTS, EngineConfig
+from ..speculative.config import SpeculativeConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_LAYOUTS = ("HND", "NHD")
 STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
                  "prefill_endpoints")
 
@@ -26,12 +25,12 @@ STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model"
 @dataclass(slots=True, frozen=True)
 class EngineSettings:
     model_dir: str
-    dtype: str = "float32"
-    page_size: int = 16
-    num_pages: int | None = None          # None: the engine sizes the pool
-    kv_layout: str = "HND"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    dtype: str = ENGINE_DEFAULTS["dtype"]
+    page_size: int = ENGINE_DEFAULTS["page_size"]
+    num_pages: int | None = None          # None or 0: the engine sizes the pool
+    kv_layout: str = ENGINE_DEFAULTS["kv_layout"]
+    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
     torch_threads: int = 0                # 0: all cores
     cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
     spec_method: str = "none"             # none | draft_target | mtp
@@ -62,19 +61,16 @@ class EngineSettings:
         return s
 
     def check(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"config.pbtxt: dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"config.pbtxt: kv_layout={self.kv_layout!r}; allowed: {', '.join(KV_LAYOUTS)}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cancel_poll_ms"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
-        if self.spec_method != "none":
-            self.speculative().validate()
-        if self.torch_threads < 0:
-            raise ValueError(f"config.pbtxt: torch_threads={self.torch_threads}; allowed: >= 0 (0 = all cores)")
         if self.num_pages is not None and self.num_pages < 0:
             raise ValueError(f"config.pbtxt: num_pages={self.num_pages}; allowed: >= 1, or 0 for automatic")
+        try:
+            EngineConfig(self.model_dir, **self.engine_kwargs()).validate()
+        except ValueError as e:
+            raise ValueError(f"config.pbtxt: {e}") from None
+        if self.cancel_poll_ms < 1:
+            raise ValueError(f"config.pbtxt: cancel_poll_ms={self.cancel_poll_ms}; allowed: an integer >= 1")
+        if self.torch_threads < 0:
+            raise ValueError(f"config.pbtxt: torch_threads={self.torch_threads}; allowed: >= 0 (0 = all cores)")
 
     @property
     def engine_num_pages(self) -> int | None:

@@ -271,7 +271,7 @@ def test_prefill_fills_the_proposers_kv_as_a_colocated_engine_does(
     co.add_request(ids, GREEDY, request_id="c")
     co.step()                         # prefill, then the proposer catches up past the prompt
     seq, n = co.seqs["c"], len(ids) - 1
-    assert seq.draft_computed >= n
+    assert seq.draft.computed >= n
     got = _token_kv(prefill.proposer.pool, prefill.finished["p"].pages, n)
     want = _token_kv(co.proposer.runner.pool, seq.pages, n)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

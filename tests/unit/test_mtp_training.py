@@ -14,7 +14,7 @@ from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.kv_cache import KVPagePool
 from tandem.backends.models import forward_dense, load_model
 from tandem.backends.models.mtp import MTPHead, load_mtp_head
-from tandem.backends.speculative.proposers import MTPProposer
+from tandem.backends.engine.proposers import MTPProposer
 from tandem.backends.training.acceptance import evaluate_proposers
 from tandem.backends.training.hidden_states import compute_hidden_states, train_windows
 from tandem.backends.training.mtp import (MTPTrainConfig, TokenStreams, load_token_streams,

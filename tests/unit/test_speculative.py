@@ -11,7 +11,7 @@ from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.models import load_model
 from tandem.backends.models.llama import forward_dense
 from tandem.backends.models.mtp import MTPHead, save_mtp_head
-from tandem.backends.speculative.proposers import MTPProposer
+from tandem.backends.engine.proposers import MTPProposer
 
 from .test_parity import NEW_TOKENS, hf_greedy, prompts
 from .tiny_checkpoints import make_checkpoint
@@ -176,7 +176,7 @@ def test_garbage_in_rejected_slots_changes_nothing(target_dir, other_draft_dir):
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         for seq in e.seqs.values():   # poison every slot past the valid lengths
             for pool, valid in ((e.pool, seq.num_computed),
-                                (e.proposer.runner.pool, seq.draft_computed)):
+                                (e.proposer.runner.pool, seq.draft.computed)):
                 for slot in range(valid, len(seq.pages) * 4):
                     page, off = seq.pages[slot // 4], slot % 4
                     pool.kv[:, page, :, :, off] = torch.randn(

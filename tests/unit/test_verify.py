@@ -93,7 +93,7 @@ def test_greedy_one_hot_drafts_and_counters_accumulate():
 
 def test_greedy_shortcut_equals_one_hot_rejection_sampling():
     from tandem.backends import SamplingParams
-    from tandem.backends.speculative.verification import verify_drafts
+    from tandem.backends.engine.sampler import verify_drafts
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(64, 4, 6, generator=g)
     best = logits.argmax(-1)

@@ -1,6 +1,6 @@
 """Draft proposers: a small draft model, or an MTP head on the target's hidden states.
 
-Both keep, per sequence, ``draft_computed`` (their cached length) and the logits their
+Both keep, per sequence, ``draft.computed`` (their cached length) and the logits their
 last run left for the next step's first draft token, and follow one protocol:
 
 - ``catch_up(seqs, step_hidden)`` after a plain (prefill or mixed) target step;
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.model_runner import ForwardBatch, ModelRunner
-from ..engine.sequence import Sequence
 from ..kv_cache import KVPagePool
 from ..models import LlamaForCausalLM, load_model
 from ..models.mtp import MTPHead, load_mtp_head
-from .config import SpeculativeConfig
+from ..speculative.config import SpeculativeConfig
+from .model_runner import ForwardBatch, ModelRunner
+from .sequence import Sequence
 
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]
@@ -51,11 +51,11 @@ class DraftModelProposer:
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
-        return seq.draft_computed == seq.num_tokens and seq.draft_logits is not None
+        return seq.draft.computed == seq.num_tokens and seq.draft.logits is not None
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Feed the draft the tokens it has not seen, up to one past the target's cache."""
-        todo = [(s, s.draft_computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]
+        todo = [(s, s.draft.computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]
         todo = [(s, a, b) for s, a, b in todo if b > a]
         if not todo:
             return
@@ -64,18 +64,18 @@ class DraftModelProposer:
         inputs, hidden = self.runner.forward(batch)
         logits = self.runner.logits(hidden[inputs.last_rows])
         for i, (s, _, b) in enumerate(todo):
-            s.draft_computed = b
-            s.draft_logits = logits[i] if b == s.num_tokens else None
+            s.draft.computed = b
+            s.draft.logits = logits[i] if b == s.num_tokens else None
 
     def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
-        token = torch.stack([s.draft_logits for s in seqs]).argmax(-1)
+        token = torch.stack([s.draft.logits for s in seqs]).argmax(-1)
         drafts = [token]
         for _ in range(k - 1):
-            batch = ForwardBatch([[t] for t in token.tolist()], [s.draft_computed for s in seqs],
+            batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
                                  [s.pages for s in seqs])
             _, hidden = self.runner.forward(batch)
             for s in seqs:
-                s.draft_computed += 1
+                s.draft.computed += 1
             token = self.runner.logits(hidden).argmax(-1)
             drafts.append(token)
         return torch.stack(drafts, 1)
@@ -83,8 +83,8 @@ class DraftModelProposer:
     def after_verify(self, seqs, tokens, target_hidden, starts) -> None:
         # the draft's KV stays valid only as far as its tokens were accepted
         for s in seqs:
-            s.draft_computed = min(s.draft_computed, s.num_computed)
-            s.draft_logits = None
+            s.draft.computed = min(s.draft.computed, s.num_computed)
+            s.draft.logits = None
         self.catch_up(seqs)
 
 
@@ -98,8 +98,8 @@ class MTPProposer:
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
-        return seq.draft_computed == seq.num_computed == seq.num_tokens - 1 \
-            and seq.draft_logits is not None
+        return seq.draft.computed == seq.num_computed == seq.num_tokens - 1 \
+            and seq.draft.logits is not None
 
     @torch.inference_mode()
     def _run(self, seqs, next_ids: list[list[int]], starts: list[int], hidden: torch.Tensor):
@@ -110,7 +110,7 @@ class MTPProposer:
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         todo = []
         for s in seqs:
-            a, b = s.draft_computed, s.num_computed
+            a, b = s.draft.computed, s.num_computed
             if b <= a:
                 continue
             start, rows = step_hidden[s.request_id]
@@ -125,21 +125,21 @@ class MTPProposer:
         last = inputs.last_rows
         logits = self.target.compute_logits(g[last])
         for i, (s, _, b, _) in enumerate(todo):
-            s.draft_computed = b
+            s.draft.computed = b
             done = b == s.num_tokens - 1
-            s.draft_logits = logits[i] if done else None
-            s.draft_hidden = g[last[i]] if done else None
+            s.draft.logits = logits[i] if done else None
+            s.draft.hidden = g[last[i]] if done else None
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
-        token = torch.stack([s.draft_logits for s in seqs]).argmax(-1)
-        g = torch.stack([s.draft_hidden for s in seqs])
+        token = torch.stack([s.draft.logits for s in seqs]).argmax(-1)
+        g = torch.stack([s.draft.hidden for s in seqs])
         drafts = [token]
         for _ in range(k - 1):
             # beyond the verified tokens there is no target hidden state: feed the head's own
-            _, g = self._run(seqs, [[t] for t in token.tolist()], [s.draft_computed for s in seqs], g)
+            _, g = self._run(seqs, [[t] for t in token.tolist()], [s.draft.computed for s in seqs], g)
             for s in seqs:
-                s.draft_computed += 1
+                s.draft.computed += 1
             token = self.target.compute_logits(g).argmax(-1)
             drafts.append(token)
         return torch.stack(drafts, 1)
@@ -156,8 +156,8 @@ class MTPProposer:
         last = torch.tensor([i * width + s.num_computed - 1 - starts[i] for i, s in enumerate(seqs)])
         logits = self.target.compute_logits(g[last])
         for i, s in enumerate(seqs):
-            s.draft_computed = s.num_computed
-            s.draft_logits, s.draft_hidden = logits[i], g[last[i]]
+            s.draft.computed = s.num_computed
+            s.draft.logits, s.draft.hidden = logits[i], g[last[i]]
 
 
 class ProposerPrefill:

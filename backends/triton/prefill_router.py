@@ -18,6 +18,8 @@ import threading
 
 import numpy as np
 
+from .disagg_common import INPUT_IDS, KV_DESCRIPTOR
+
 PREFILL_MODEL = "prefill"
 
 
@@ -64,8 +66,8 @@ class PrefillRouter:
         import tritonclient.grpc as grpcclient
         ids = np.asarray(input_ids, dtype=np.int32).reshape(1, -1)
         desc = np.asarray(kv_descriptor, dtype=np.uint8).reshape(1, -1)
-        inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT32"),
-                  grpcclient.InferInput("kv_descriptor", list(desc.shape), "UINT8")]
+        inputs = [grpcclient.InferInput(INPUT_IDS, list(ids.shape), "INT32"),
+                  grpcclient.InferInput(KV_DESCRIPTOR, list(desc.shape), "UINT8")]
         inputs[0].set_data_from_numpy(ids)
         inputs[1].set_data_from_numpy(desc)
         with self._lock:

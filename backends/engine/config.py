@@ -1,0 +1,67 @@
+"""The engine's settings and the KV pool size they imply: the one place their
+defaults are written (torch-free, so Triton's light models can read them). The offline API (``LLM``), Triton's ``config.pbtxt``
+settings and ``tandem serve`` all read them from here.
+
+>>> EngineConfig("checkpoints/demo/target").page_size
+16
+>>> ENGINE_DEFAULTS["kv_layout"], ENGINE_DEFAULTS["max_num_batched_tokens"]
+('HND', 512)
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+
+from ..kv_cache.pages import KV_LAYOUTS, pages_needed
+from ..models.config import DTYPE_BYTES, DTYPES, ModelConfig
+from ..speculative.config import SpeculativeConfig
+
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_layout: str = "HND"
+    num_pages: int | None = None      # default: a 512 MiB KV pool, capped at what is useful
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    device: str = "cpu"
+    speculative: SpeculativeConfig | None = None
+
+    def validate(self) -> None:
+        if self.speculative is not None:
+            self.speculative.validate()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}; allowed: {', '.join(KV_LAYOUTS)}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
+
+    def num_pages_for(self, model: ModelConfig) -> int:
+        """``num_pages``, or the default pool size for ``model``."""
+        return self.num_pages or default_num_pages(model, self.dtype, self.page_size,
+                                                   self.max_num_seqs, self.max_model_len)
+
+
+# every field's default, for the layers that carry these settings in other forms
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+
+
+def kv_page_bytes(model: ModelConfig, page_size: int, dtype: str) -> int:
+    """Bytes of one page across all of ``model``'s layers (K and V)."""
+    return (2 * model.num_hidden_layers * model.num_key_value_heads * page_size * model.head_dim
+            * DTYPE_BYTES[dtype])
+
+
+def default_num_pages(model: ModelConfig, dtype: str, page_size: int, max_num_seqs: int,
+                      max_model_len: int | None = None) -> int:
+    """A 512 MiB pool, capped at what ``max_num_seqs`` full-length sequences can use."""
+    useful = max_num_seqs * pages_needed(max_model_len or model.max_position_embeddings, page_size)
+    return max(1, min(DEFAULT_KV_CACHE_BYTES // kv_page_bytes(model, page_size, dtype), useful))
