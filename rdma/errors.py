@@ -1,4 +1,4 @@
-"""Errors a KV transfer reports to its user."""
+"""Errors the KV transfer and the shared decode pool report to their users."""
 from __future__ import annotations
 
 
@@ -12,3 +12,15 @@ class PeerUnreachable(TransferError):
 
 class TransferTimeout(TransferError):
     """The other side stopped taking part in a transfer for longer than the timeout."""
+
+
+class PoolError(RuntimeError):
+    """The shared decode pool refused an operation."""
+
+
+class PoolExhausted(PoolError):
+    """Not enough free pages, or no free reservation slot; nothing was allocated."""
+
+
+class ReservationGone(PoolError):
+    """The (slot, generation) names a reservation that no longer exists."""

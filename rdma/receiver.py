@@ -32,9 +32,10 @@ from typing import Callable
 import numpy as np
 
 from .descriptor import DestinationDescriptor
+from .errors import PoolExhausted
 from .plan import ShardScheme, pages_needed
-from .shared_pool import (CANCELLED, FAILED, READY, SENDER_ERROR, TIMEOUT, OutOfPages,
-                          SharedKVPool, SlotStatus)
+from .reservations import CANCELLED, FAILED, READY, SENDER_ERROR, TIMEOUT, SlotStatus
+from .shared_pool import SharedKVPool
 from .transport import Transport
 from .wire import (GEN_MASK, KIND_CONTROL, KIND_DATA, MAX_CONTROL_BYTES, MAX_OPS, Ack, Hello,
                    MalformedMessage, control_tag, decode_control, encode_control, parse_tag)
@@ -153,7 +154,8 @@ class KVReceiver:
 
         ``max_run_pages`` (default: from ``config.max_run_bytes``) caps the pages one
         operation carries; 1 is one operation per page and layer. ``timeout_s`` is the
-        lease: the reservation fails if no operation completes for that long."""
+        lease: the reservation fails if no operation completes for that long. Raises
+        :class:`PoolExhausted` when the pool has too few free pages or no free slot."""
         spec = self.pool.spec
         if sum(context_nbytes) > spec.context_bytes:
             raise ValueError(f"context of {sum(context_nbytes)} bytes exceeds the pool's "
@@ -329,4 +331,4 @@ class KVReceiver:
         return self.config.tick_s if (self._live or self._draining) else None
 
 
-__all__ = ["KVReceiver", "ReceiverConfig", "ReceiverStats", "TransferTrace", "OutOfPages"]
+__all__ = ["KVReceiver", "ReceiverConfig", "ReceiverStats", "TransferTrace", "PoolExhausted"]

@@ -47,7 +47,13 @@ class SenderConfig:
 @dataclass(frozen=True, slots=True)
 class SourcePool:
     """One prefill rank's KV pool of one model: geometry plus its memory as flat bytes
-    (a numpy uint8 array on CPU; a CUDA uint8 tensor on GPU)."""
+    (a numpy uint8 array on CPU; a CPU or CUDA uint8 tensor), laid out
+    ``[layers, pages, *page_shape]``.
+
+    >>> spec = ModelSpec("target", 2, 2, 8, 4, "float32")
+    >>> SourcePool(spec, 2, 3, np.zeros(spec.pool_bytes(2, 3), np.uint8)).layer_bytes
+    1536
+    """
     spec: ModelSpec      # num_kv_heads is the model's (unsharded) count
     heads: int           # heads this rank holds
     num_pages: int
@@ -69,17 +75,6 @@ class SourcePool:
     def layer_bytes(self) -> int:
         return self.page_bytes * self.num_pages
 
-    @classmethod
-    def from_page_pool(cls, name: str, pool, scheme: ShardScheme = ShardScheme(1)) -> "SourcePool":
-        """Wrap a :class:`tandem.backends.kv_cache.KVPagePool` of a rank of ``scheme``."""
-        import torch
-        flat = pool.kv.reshape(-1).view(torch.uint8)
-        data = flat.numpy() if flat.device.type == "cpu" else flat
-        spec = ModelSpec(name, pool.num_layers, pool.num_kv_heads * scheme.ranks_per_set,
-                         pool.head_dim, pool.page_size, str(pool.kv.dtype).removeprefix("torch."),
-                         pool.kv_layout)
-        return cls(spec, pool.num_kv_heads, pool.num_pages, data)
-
 
 def _gather(data, ranges: list[tuple[int, int]]):
     """Copy byte ranges into one contiguous staging buffer."""
@@ -95,7 +90,13 @@ def _gather(data, ranges: list[tuple[int, int]]):
 
 
 class Transfer:
-    """One request's transfer from this rank. ``wait()`` or ``done`` / ``error``."""
+    """One request's transfer from this rank. ``wait()`` or ``done`` / ``error``.
+
+    It keeps its own progress: per model and layer, the units (plan rows) in the order
+    their pages become final, a cursor past the ones sent, and how far the forward has
+    computed; the counts of operations posted and completed. The messenger thread is
+    the only one that changes it; the engine reads ``done``, ``error`` and the plan.
+    """
 
     def __init__(self, desc: DestinationDescriptor, src_pages: list[int], rank: int,
                  models: list[int], on_done: Callable | None):
@@ -133,6 +134,64 @@ class Transfer:
     def done(self) -> bool:
         return self.finished.is_set()
 
+    @property
+    def all_completed(self) -> bool:
+        """Active, and every operation of the plan (this rank's share) completed."""
+        return self.active and self.completed >= self.total
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """Operations are in flight and none completed for ``timeout_s``."""
+        return self.active and self.sent > self.completed and now - self.last_progress > timeout_s
+
+    # -- messenger thread ----------------------------------------------------------------
+    def activate(self) -> None:
+        """The peer is reachable: sends may start."""
+        self.active = True
+
+    def layer_computed(self, model: str, layer: int, end: int, at: float) -> int:
+        """The forward computed ``layer`` of ``model`` for tokens up to ``end`` (at
+        time ``at``); returns the model's index in the plan."""
+        m = self.model_index[model]
+        self._final_tokens[m][layer] = end
+        self.layer_computed_at[(model, layer)] = at
+        return m
+
+    def take_ready(self, m: int, layer: int) -> list[int]:
+        """The plan rows of model ``m``'s ``layer`` whose pages are now final and not yet
+        taken, in order; the cursor moves past them."""
+        rows, final, limit = self._rows[m], self._final[m], self._final_tokens[m][layer]
+        start = end = self._ptr[m][layer]
+        while end < len(rows) and final[end] <= limit:
+            end += 1
+        self._ptr[m][layer] = end
+        return rows[start:end]
+
+    def hold_context(self, arrays) -> None:
+        """Context blobs that arrived before the transfer was active."""
+        self.pending_context = arrays
+
+    def take_context(self):
+        """The held context blobs (None if none), no longer held."""
+        arrays, self.pending_context = self.pending_context, None
+        return arrays
+
+    def op_posted(self, nbytes: int, staged: bool = False) -> None:
+        if self.sent == self.completed:
+            self.last_progress = time.monotonic()   # the stall clock starts now
+        self.sent += 1
+        self.bytes_sent += nbytes
+        self.staged += staged
+
+    def op_completed(self) -> None:
+        self.completed += 1
+        self.last_progress = time.monotonic()
+
+    def finish(self, error: Exception | None = None) -> None:
+        """Done: every send completed (no ``error``) or the transfer failed."""
+        self.error = error
+        self.finished_at = time.monotonic()
+        self.finished.set()
+
     def wait(self, timeout: float | None = None) -> "Transfer":
         """Block until every send completed; raises the transfer's error."""
         if not self.finished.wait(timeout):
@@ -161,7 +220,7 @@ class ForwardStep:
             raise ValueError(f"layer {layer} done out of order (expected {self.value})")
         self.computed_at.append(time.monotonic())
         self.value = layer + 1
-        self.sender._transport.submit(lambda: self.sender._on_layers(self))
+        self.sender._layers_advanced(self)
 
 
 class _Peer:
@@ -175,15 +234,19 @@ class _Peer:
 class KVSender:
     """The messenger of one prefill rank.
 
-    ``pools`` maps each model name to this rank's :class:`SourcePool` (or to a
-    ``KVPagePool``, wrapped with :meth:`SourcePool.from_page_pool`).
+    ``pools`` maps each model name to this rank's :class:`SourcePool` (an engine's
+    page pool is wrapped by its owner, which knows its layout).
     """
 
-    def __init__(self, pools: dict, rank: int = 0, scheme: ShardScheme = ShardScheme(1),
-                 config: SenderConfig | None = None, name: str = "kv-sender"):
+    def __init__(self, pools: dict[str, SourcePool], rank: int = 0,
+                 scheme: ShardScheme = ShardScheme(1), config: SenderConfig | None = None,
+                 name: str = "kv-sender"):
         self.rank, self.scheme, self.config = rank, scheme, config or SenderConfig()
-        self.pools = {n: p if isinstance(p, SourcePool) else SourcePool.from_page_pool(n, p, scheme)
-                      for n, p in pools.items()}
+        for n, p in pools.items():
+            if not isinstance(p, SourcePool):
+                raise TypeError(f"the pool of model {n!r} is a {type(p).__name__}; KVSender "
+                                "takes SourcePool (geometry plus flat bytes)")
+        self.pools = dict(pools)
         self._names = list(self.pools)
         self._peers: dict[bytes, _Peer] = {}
         self._active: set[Transfer] = set()
@@ -249,6 +312,10 @@ class KVSender:
                              f"{t.plan.context_nbytes}")
         self._transport.submit(lambda: self._context(t, arrays))
 
+    def _layers_advanced(self, step: ForwardStep) -> None:
+        """``step``'s layer counter advanced (called by :meth:`ForwardStep.layer_done`)."""
+        self._transport.submit(lambda: self._on_layers(step))
+
     # -- messenger thread ----------------------------------------------------------------
     def _start(self, t: Transfer) -> None:
         self.stats["transfers"] += 1
@@ -285,12 +352,13 @@ class KVSender:
     def _activate(self, t: Transfer) -> None:
         if t.done:
             return
-        t.active = True
+        t.activate()
         for m in range(len(t.plan.models)):
             for layer in range(t.plan.models[m].num_layers):
                 self._send_ready(t, m, layer)
-        if t.pending_context is not None:
-            self._context(t, t.pending_context)
+        held = t.take_context()
+        if held is not None:
+            self._context(t, held)
         self._check_done(t)
 
     def _on_layers(self, step: ForwardStep) -> None:
@@ -299,58 +367,48 @@ class KVSender:
             for t, end in step.chunks.items():
                 if t.done:
                     continue
-                m = t.model_index[step.model]
-                t._final_tokens[m][layer] = end
-                t.layer_computed_at[(step.model, layer)] = step.computed_at[layer]
+                m = t.layer_computed(step.model, layer, end, step.computed_at[layer])
                 if t.active:
                     self._send_ready(t, m, layer)
         step.seen = value
 
     def _send_ready(self, t: Transfer, m: int, layer: int) -> None:
-        rows, final, ptr = t._rows[m], t._final[m], t._ptr[m]
-        limit = t._final_tokens[m][layer]
-        i = ptr[layer]
-        if i >= len(rows) or final[i] > limit:
+        rows = t.take_ready(m, layer)
+        if not rows:
             return
         src = self.pools[self._names[t.source_index[m]]]
         lo = t.plan.layer_ops[m]
         ep = self._peers[t.desc.worker_address].ep
         base = layer * src.layer_bytes
-        while i < len(rows) and final[i] <= limit:
-            row = rows[i]
+        for row in rows:
             first, npages = int(lo.first[row]), int(lo.npages[row])
             nbytes, off = int(lo.nbytes[row]), int(lo.src_off[row])
             p0 = t.src_pages[first]
-            if npages == 1 or t.src_pages[first:first + npages] == list(range(p0, p0 + npages)):
+            staged = not (npages == 1
+                          or t.src_pages[first:first + npages] == list(range(p0, p0 + npages)))
+            if not staged:
                 a = base + p0 * src.page_bytes + off
                 buf = src.data[a:a + nbytes]
             else:   # a run of consecutive destination pages from scattered source pages
                 pb = src.page_bytes
                 buf = _gather(src.data, [(base + p * pb, base + (p + 1) * pb)
                                          for p in t.src_pages[first:first + npages]])
-                t.staged += 1
                 self.stats["staged_ops"] += 1
-            self._send(t, ep, buf, t.plan.op_index(m, layer, row), nbytes)
-            i += 1
-        ptr[layer] = i
+            self._send(t, ep, buf, t.plan.op_index(m, layer, row), nbytes, staged)
         self._check_done(t)
 
     def _context(self, t: Transfer, arrays) -> None:
         if t.done:
             return
         if not t.active:
-            t.pending_context = arrays
+            t.hold_context(arrays)
             return
-        t.pending_context = None
         ep = self._peers[t.desc.worker_address].ep
         for i, a in enumerate(arrays):
             self._send(t, ep, a, t.plan.context_op(i), a.nbytes)
 
-    def _send(self, t: Transfer, ep, buf, op: int, nbytes: int) -> None:
-        if t.sent == t.completed:
-            t.last_progress = time.monotonic()
-        t.sent += 1
-        t.bytes_sent += nbytes
+    def _send(self, t: Transfer, ep, buf, op: int, nbytes: int, staged: bool = False) -> None:
+        t.op_posted(nbytes, staged)
         self._transport.send(ep, buf, data_tag(t.desc.slot, t.desc.generation, op),
                              t.desc.worker_address, lambda err: self._sent(t, err))
 
@@ -359,21 +417,19 @@ class KVSender:
             return
         if err is not None:
             return self._fail(t, TransferError(f"KV send failed: {err}"))
-        t.completed += 1
-        t.last_progress = time.monotonic()
+        t.op_completed()
         self._check_done(t)
 
     def _check_done(self, t: Transfer) -> None:
-        if t.done or not t.active or t.completed < t.total:
+        if t.done or not t.all_completed:
             return
         self.stats["ops"] += t.completed
         self.stats["bytes"] += t.bytes_sent
         self._finish(t)
 
-    def _finish(self, t: Transfer) -> None:
-        t.finished_at = time.monotonic()
+    def _finish(self, t: Transfer, error: Exception | None = None) -> None:
         self._active.discard(t)
-        t.finished.set()
+        t.finish(error)
         if t.on_done is not None:
             try:
                 t.on_done(t)
@@ -383,11 +439,10 @@ class KVSender:
     def _fail(self, t: Transfer, err: Exception) -> None:
         if t.done:
             return
-        t.error = err
         self.stats["failed"] += 1
         log.warning("KV transfer to reservation %d/%d failed: %s", t.desc.slot,
                     t.desc.generation, err)
-        self._finish(t)
+        self._finish(t, err)
 
     def _on_message(self, probe) -> None:
         kind = parse_tag(probe.sender_tag.value)[0]
@@ -420,7 +475,7 @@ class KVSender:
                     f"the decode worker did not answer the handshake within "
                     f"{self.config.connect_timeout_s}s"))
         for t in list(self._active):
-            if t.active and t.sent > t.completed and now - t.last_progress > self.config.timeout_s:
+            if t.stalled(now, self.config.timeout_s):
                 err = TransferTimeout(
                     f"the receiver took no KV for {self.config.timeout_s}s "
                     f"({t.completed}/{t.total} operations done); pages released")

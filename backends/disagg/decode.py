@@ -7,6 +7,7 @@ from tandem.rdma import ReservationGone, SharedKVPool, SharedPageAllocator
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.remote_prefill import KVTransferFailed
+from .kv_views import shared_page_pool
 from .pool import TARGET
 
 
@@ -56,7 +57,7 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
         if spec.kv_name not in have:
             raise ValueError(f"speculative method {spec.method!r} keeps its KV as "
                              f"{spec.kv_name!r}; the shared pool holds {have}")
-        proposer_pool = pool.kv_page_pool(rank, spec.kv_name)
-    return AsyncEngine(model_dir, kv_pool=pool.kv_page_pool(rank, TARGET),
+        proposer_pool = shared_page_pool(pool, rank, spec.kv_name)
+    return AsyncEngine(model_dir, kv_pool=shared_page_pool(pool, rank, TARGET),
                        allocator=SharedPageAllocator(pool), proposer_kv_pool=proposer_pool,
                        **engine_args)

@@ -24,6 +24,7 @@ from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig
 from ..engine.inbox import Inbox
 from ..engine.llm_engine import EngineConfig
 from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
+from .kv_views import source_pool
 from .pool import TARGET
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,10 @@ DoneCallback = Callable[[str | None], None]
 class PrefillService(PrefillHooks):
     def __init__(self, config: EngineConfig, sender_config: SenderConfig | None = None):
         self.engine = PrefillEngine.from_config(config, hooks=self)
-        pools = {TARGET: self.engine.pool}
+        pools = {TARGET: source_pool(TARGET, self.engine.pool)}
         if self.engine.proposer is not None:
-            pools[self.engine.proposer_name] = self.engine.proposer.pool
+            name = self.engine.proposer_name
+            pools[name] = source_pool(name, self.engine.proposer.pool)
         self.kv_names = list(pools)
         self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}

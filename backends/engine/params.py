@@ -25,15 +25,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, max_tokens_limit: int | None = None) -> None:
+    def validate(self) -> None:
         def bad(name, value, allowed):
             raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or self.max_tokens <= 0:
             bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
-            bad("max_tokens", self.max_tokens, f"1..{max_tokens_limit}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             bad("temperature", self.temperature, "a number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

@@ -41,7 +41,7 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        from tandem.rdma.shared_pool import OutOfPages
+        from tandem.rdma import PoolExhausted
 
         get = input_getter(request)
 
@@ -52,7 +52,7 @@ class TritonPythonModel:
         try:
             desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
-        except OutOfPages as e:
+        except PoolExhausted as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE))
         return pb_utils.InferenceResponse(

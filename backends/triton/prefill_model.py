@@ -33,13 +33,11 @@ class TritonPythonModel:
         import torch
 
         from tandem.backends.disagg import PrefillService
-        from tandem.backends.engine import EngineConfig
 
         torch.set_num_threads(s.threads)
-        # with speculation the prefill fills the proposer's KV too (the decoder expects it)
-        self.service = PrefillService(EngineConfig(
-            s.model_dir, s.dtype, s.page_size, s.kv_layout, None, s.max_num_seqs,
-            s.max_num_batched_tokens, speculative=s.speculative()))
+        # num_pages sizes the decode pool; the prefill's own pool takes the default.
+        # With speculation the prefill fills the proposer's KV too (the decoder expects it)
+        self.service = PrefillService(s.engine_config(num_pages=None))
         self.service.start()
 
     def execute(self, requests):

@@ -64,7 +64,7 @@ class EngineSettings:
         if self.num_pages is not None and self.num_pages < 0:
             raise ValueError(f"config.pbtxt: num_pages={self.num_pages}; allowed: >= 1, or 0 for automatic")
         try:
-            EngineConfig(self.model_dir, **self.engine_kwargs()).validate()
+            self.engine_config().validate()
         except ValueError as e:
             raise ValueError(f"config.pbtxt: {e}") from None
         if self.cancel_poll_ms < 1:
@@ -85,6 +85,9 @@ class EngineSettings:
             return None
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        return EngineConfig(self.model_dir, **(self.engine_kwargs() | overrides))
 
     def engine_kwargs(self) -> dict:
         return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,

@@ -17,6 +17,7 @@ import numpy as np
 
 from tandem.rdma import (DestinationDescriptor, KVReceiver, KVSender, ModelSpec, ReceiverConfig,
                          SenderConfig, ShardScheme, SharedKVPool, SourcePool)
+from tandem.rdma.pool_layout import H_FREE_TOP
 from tandem.rdma.transport import Transport
 from tandem.rdma.wire import data_tag
 
@@ -333,5 +334,5 @@ def pool_die_mid_change(n: int) -> None:
     owner, and die holding the lock: the worst moment to crash."""
     pool: SharedKVPool = _state["pool"]
     with pool._locked():
-        pool._hdr[5] -= n    # _H_FREE_TOP
+        pool._ctl.hdr[H_FREE_TOP] -= n
         os.kill(os.getpid(), signal.SIGKILL)

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_decode_continues_from_transferred_kv(layout, make_pool):
     torch.set_num_threads(1)
+    from tandem.backends.disagg.kv_views import shared_page_pool, source_pool
     from tandem.backends.engine.model_runner import ForwardBatch, ModelRunner
     from tandem.backends.kv_cache import KVPagePool
     from tandem.backends.models.config import ModelConfig
@@ -29,7 +30,7 @@ def test_decode_continues_from_transferred_kv(layout, make_pool):
     src_pages = [9, 4, 5]
     pool = make_pool([ModelSpec("target", 3, 2, 8, 4, "float32", layout)], num_pages=8,
                      context_bytes=4 * cfg.hidden_size)
-    rx, tx = KVReceiver(pool), KVSender({"target": prefill_pool})
+    rx, tx = KVReceiver(pool), KVSender({"target": source_pool("target", prefill_pool)})
     try:
         d = rx.reserve(n, context_nbytes=(4 * cfg.hidden_size,))
         t = tx.begin(d, src_pages)
@@ -46,7 +47,7 @@ def test_decode_continues_from_transferred_kv(layout, make_pool):
         ctx = torch.frombuffer(bytearray(pool.context(d.slot).tobytes()), dtype=torch.float32)
         assert torch.equal(ctx, hidden[-1])
         # the decoder treats the last prompt token as a decode token
-        decode_pool = pool.kv_page_pool(0, "target")
+        decode_pool = shared_page_pool(pool, 0, "target")
         last = ForwardBatch([[prompt[-1]]], [n], [list(d.page_ids)])
         _, h_decode = ModelRunner(model, decode_pool).forward(last)
         _, h_local = runner.forward(ForwardBatch([[prompt[-1]]], [n], [src_pages]))

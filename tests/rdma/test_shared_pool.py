@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tandem.rdma import ModelSpec, ReservationGone, SharedPageAllocator
-from tandem.rdma.shared_pool import CANCELLED, OWNER_DIED, RESERVED, OutOfPages, PoolError
+from tandem.rdma.shared_pool import CANCELLED, OWNER_DIED, RESERVED, PoolError, PoolExhausted
 
 MODEL = ModelSpec("target", 2, 2, 8, 4, "bfloat16", "HND")
 
@@ -66,11 +66,11 @@ def test_unclaimed_reservation_is_reclaimed_after_its_lease(make_pool):
 
 def test_out_of_pages_and_slots_allocate_nothing(make_pool):
     pool = make_pool([MODEL], num_pages=4, num_slots=1)
-    with pytest.raises(OutOfPages):
+    with pytest.raises(PoolExhausted):
         pool.reserve(5, 0, 1)
     assert pool.stats().free == 4 and pool.stats().slots_active == 0
     pool.reserve(1, 0, 1)
-    with pytest.raises(OutOfPages, match="slots"):
+    with pytest.raises(PoolExhausted, match="slots"):
         pool.reserve(1, 0, 1)
 
 
@@ -142,7 +142,8 @@ def test_pool_memory_is_the_engines_kv_page_pool_layout(make_pool):
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     pool = make_pool([ModelSpec("target", 3, 4, 8, 2, "bfloat16", "NHD")], num_pages=5)
-    kvp = pool.kv_page_pool(0, "target")
+    from tandem.backends.disagg.kv_views import shared_page_pool
+    kvp = shared_page_pool(pool, 0, "target")
     assert tuple(kvp.kv.shape) == (3, 5, 2, 2, 4, 8)
     kvp.kv[2, 4] = torch.arange(kvp.kv[2, 4].numel(), dtype=torch.bfloat16).view_as(kvp.kv[2, 4])
     pb = pool.page_bytes("target")

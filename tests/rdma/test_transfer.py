@@ -135,6 +135,7 @@ def test_engine_page_pools_on_both_sides(layout, make_pool):
     as the destination: what attention reads on decode is what prefill wrote."""
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)   # the host's two cores are shared
+    from tandem.backends.disagg.kv_views import shared_page_pool, source_pool
     from tandem.backends.kv_cache import KVPagePool
     from tandem.rdma import KVReceiver, KVSender
 
@@ -142,7 +143,7 @@ def test_engine_page_pools_on_both_sides(layout, make_pool):
     src.kv.copy_(torch.randn(src.kv.shape, dtype=torch.float32).to(torch.bfloat16))
     spec = ModelSpec("target", 4, 2, 8, 4, "bfloat16", layout)
     pool = make_pool([spec], num_pages=16)
-    rx, tx = KVReceiver(pool), KVSender({"target": src})
+    rx, tx = KVReceiver(pool), KVSender({"target": source_pool("target", src)})
     try:
         d = rx.reserve(10, max_run_pages=2)
         src_pages = [7, 2, 3]
@@ -152,7 +153,7 @@ def test_engine_page_pools_on_both_sides(layout, make_pool):
             step.layer_done(layer)
         t.wait(10)
         assert rx.wait(d.slot, d.generation, 10).ready
-        dst = pool.kv_page_pool(0, "target")
+        dst = shared_page_pool(pool, 0, "target")
         for s, p in zip(src_pages, d.page_ids):
             assert torch.equal(dst.kv[:, p], src.kv[:, s])
         pool.free(pool.claim(d.slot, d.generation))

@@ -729,16 +729,3 @@ def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(mod
     assert not request.cancelled     # the engine step itself never saw a cancellation
     (response,) = post.execute([step])         # a late reply's token is no longer known
     assert response.error is None and engine.aborted == ["req-0"]
-
-
-def test_only_backends_triton_imports_pb_utils():
-    import re
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    imports = re.compile(r"^\s*(import|from)\s+triton_python_backend_utils\b", re.M)
-    offenders = [
-        str(p.relative_to(root)) for folder in ("backends", "rdma", "client")
-        for p in (root / folder).rglob("*.py")
-        if imports.search(p.read_text()) and p.parent != root / "backends" / "triton"
-    ]
-    assert offenders == []
