@@ -8,7 +8,8 @@ expects.
 - :mod:`.shared_pool` — the decode pool in shm: :mod:`.pool_layout` (files, mapping),
   :mod:`.pool_pages` (page owners, free stack), :mod:`.pool_owners` (attached
   processes), :mod:`.reservations` (slots, leases, counters)
-- :mod:`.receiver` — kv_transfer's side; :mod:`.sender` — prefill's messenger
+- :mod:`.receiver` — kv_transfer's side; :mod:`.sender` — prefill's messenger, one
+  :mod:`.transfer` per request
 
 A leaf package: it never imports the engine (which adapts its own page pools and
 allocator to :class:`SourcePool`, :class:`SharedKVPool` and
@@ -20,7 +21,8 @@ from .errors import (PeerUnreachable, PoolError, PoolExhausted, ReservationGone,
                      TransferTimeout)
 from .plan import ModelSpec, ShardScheme, TransferPlan, ops_per_page, plan_transfer
 from .receiver import KVReceiver, ReceiverConfig, TransferTrace
-from .sender import ForwardStep, KVSender, SenderConfig, SourcePool, Transfer
+from .sender import ForwardStep, KVSender, SenderConfig, SourcePool
+from .transfer import Transfer
 from .shared_pool import PoolSpec, PoolStats, SharedKVPool, SharedPageAllocator, SlotStatus
 
 __all__ = [

@@ -36,7 +36,7 @@ from .errors import PoolExhausted
 from .plan import ShardScheme, pages_needed
 from .reservations import CANCELLED, FAILED, READY, SENDER_ERROR, TIMEOUT, SlotStatus
 from .shared_pool import SharedKVPool
-from .transport import Transport
+from .transport import Messenger
 from .wire import (GEN_MASK, KIND_CONTROL, KIND_DATA, MAX_CONTROL_BYTES, MAX_OPS, Ack, Hello,
                    MalformedMessage, control_tag, decode_control, encode_control, parse_tag)
 
@@ -116,7 +116,7 @@ class _Reservation:
         return m, layer, dst_rank, offset, nbytes
 
 
-class KVReceiver:
+class KVReceiver(Messenger):
     """Reservations and receives into a :class:`SharedKVPool` over one UCX worker.
 
     ``reserve`` may be called from any thread; everything else runs on the transport
@@ -136,14 +136,7 @@ class KVReceiver:
         self._traces: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self._next_housekeeping = 0.0
-        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick)
-
-    @property
-    def address(self) -> bytes:
-        return self._transport.address
-
-    def close(self) -> None:
-        self._transport.close()
+        self._open(name)
 
     # -- any thread ----------------------------------------------------------------------
     def reserve(self, num_tokens: int, src: ShardScheme = ShardScheme(1),

@@ -262,3 +262,21 @@ class Transport:
             if not self._worker.progress_once():
                 break
         self._inflight.clear()
+
+
+class Messenger:
+    """One side of the KV transfer (receiver or sender): owns a :class:`Transport`
+    whose thread calls the subclass's ``_on_message`` and ``_on_tick``."""
+
+    _transport: Transport
+
+    def _open(self, name: str) -> None:
+        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick)
+
+    @property
+    def address(self) -> bytes:
+        """The UCX worker address peers connect to."""
+        return self._transport.address
+
+    def close(self) -> None:
+        self._transport.close()

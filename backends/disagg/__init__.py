@@ -4,6 +4,7 @@ transfer (:mod:`tandem.rdma`), with no Triton in it. Names load on first use.
 - :mod:`.pool` — the decode pool's geometry, derived from the checkpoint
 - :mod:`.prefill_service` — the prefill engine on its own thread, streaming KV
 - :mod:`.decode` — the decode engine on the shared pool; tickets over reservations
+- :mod:`.kv_views` — engine page pools over the shared pool, and as a sender's sources
 """
 from ..lazy import lazy_exports
 
