@@ -1,8 +1,9 @@
 """Tandem's engine: models, paged KV cache, attention, scheduling, speculation.
 
-Layers, each importing only those before it: ``models``, ``attention`` ->
-``kv_cache`` -> ``speculative`` -> ``engine`` -> ``training`` | ``disagg`` ->
-``triton``. Imports are lazy: a Triton stub loads only what its model uses.
+Layers, each importing only those below it (README, Layout): ``models`` ->
+``speculative``; ``kv_cache`` -> ``attention``; both -> ``engine`` -> ``training`` |
+``disagg`` -> ``triton``. Imports are lazy: a Triton stub loads only what its model
+uses.
 """
 from .lazy import lazy_exports
 
