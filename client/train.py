@@ -28,11 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lm.add_argument("--work-dir", default=None,
                     help="data cache, resumable state and periodic exports "
                          "(default .cache/train/<config name>)")
-    lm.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
-    lm.add_argument("--max-steps", type=int, default=None,
-                    help="stop after this many steps in this invocation (resume later)")
-    lm.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    lm.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
+    add_run_options(lm)
     lm.set_defaults(func=run_lm)
 
     ex = sub.add_parser("export", help="copy the last saved checkpoint of a run to --out")
@@ -54,17 +50,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_lm(args: argparse.Namespace) -> int:
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a resumable training run (``lm``, ``mtp``)."""
+    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps in this invocation (resume later)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
+
+
+def start_run(args: argparse.Namespace, work: Path, subcommand: str) -> str | None:
+    """Set the torch threads and the log of a run; return its command line (for the
+    training summary) when it came from ``sys.argv``."""
     import torch
 
-    from tandem.backends.training.lm import LMTrainConfig, setup_logging, train_lm
+    from tandem.backends.training.loop import setup_logging
 
     torch.set_num_threads(args.threads)
+    setup_logging(args.log or work / "train.log")
+    if subcommand not in sys.argv:
+        return None
+    rest = sys.argv[sys.argv.index(subcommand) + 1:]
+    return f"tandem train {subcommand} " + " ".join(shlex.quote(a) for a in rest)
+
+
+def run_lm(args: argparse.Namespace) -> int:
+    from tandem.backends.training.lm import LMTrainConfig, train_lm
+
     cfg = LMTrainConfig.from_file(args.config)
     work = Path(args.work_dir or Path(".cache/train") / Path(args.config).stem)
-    setup_logging(args.log or work / "train.log")
-    command = "tandem train lm " + " ".join(
-        shlex.quote(a) for a in sys.argv[sys.argv.index("lm") + 1:]) if "lm" in sys.argv else None
+    command = start_run(args, work, "lm")
     result = train_lm(cfg, work, args.out, resume=args.resume, max_steps=args.max_steps,
                       command=command)
     print(f"step {result['step']}/{result['steps_planned']}  "

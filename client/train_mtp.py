@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
+
+from .train import add_run_options, start_run
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.json"
 
@@ -39,14 +39,10 @@ def add_subcommands(sub) -> None:
                    help="state.pt, best/ and logs (default .cache/train/mtp[-no-norms])")
     p.add_argument("--hidden-cache", default=".cache/train/mtp-hidden",
                    help="where the target's hidden states are cached (shared by runs)")
-    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_run_options(p)
     p.add_argument("--restart", action="store_true",
                    help="discard <work-dir>/state.pt and start over (e.g. for a new target)")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many steps in this invocation (resume later)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
     p.set_defaults(func=run_mtp)
 
     e = sub.add_parser("mtp-eval", help="top-1 agreement and acceptance of a draft and MTP heads, "
@@ -68,21 +64,15 @@ def add_subcommands(sub) -> None:
 
 
 def run_mtp(args: argparse.Namespace) -> int:
-    import torch
-
-    from tandem.backends.training.lm import setup_logging
     from tandem.backends.training.mtp import MTPTrainConfig, load_token_streams, train_mtp
 
-    torch.set_num_threads(args.threads)
     cfg = MTPTrainConfig.from_file(args.config or DEFAULT_CONFIG)
     if args.no_norms:
         cfg.mtp.use_norms = False
     work = Path(args.work_dir or f".cache/train/mtp{'' if cfg.mtp.use_norms else '-no-norms'}")
     if args.restart:
         (work / "state.pt").unlink(missing_ok=True)
-    setup_logging(args.log or work / "train.log")
-    command = "tandem train mtp " + " ".join(
-        shlex.quote(a) for a in sys.argv[sys.argv.index("mtp") + 1:]) if "mtp" in sys.argv else None
+    command = start_run(args, work, "mtp")
     data = load_token_streams(args.data, args.target, work)
     result = train_mtp(cfg, args.target, data, work, args.out, device=args.device,
                        resume=args.resume, max_steps=args.max_steps, command=command,
@@ -97,7 +87,7 @@ def run_mtp_eval(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.backends.training.acceptance import evaluate_proposers, format_report
-    from tandem.backends.training.lm import setup_logging
+    from tandem.backends.training.loop import setup_logging
 
     torch.set_num_threads(args.threads)
     setup_logging(None)

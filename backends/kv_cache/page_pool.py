@@ -5,7 +5,6 @@ from typing import Protocol
 
 import torch
 
-from .pages import KV_LAYOUTS
 
 
 class KVShape(Protocol):

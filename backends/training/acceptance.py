@@ -36,23 +36,10 @@ from ..kv_cache import pages_needed
 from ..models.tokenizer import load_tokenizer
 from ..speculative import SpeculativeConfig
 from ..engine.proposers import DraftModelProposer, MTPProposer
+from .corpus import held_out_prompt_ids
 from .hidden_states import target_fingerprint
 
 log = logging.getLogger("tandem.train")
-
-
-def held_out_prompt_ids(prompts_path: str | Path, tokenizer, n: int,
-                        max_prompt_tokens: int = 256) -> list[list[int]]:
-    """Token ids of ``n`` held-out prompts, the same number of each kind, each cut to its
-    last ``max_prompt_tokens`` tokens."""
-    prompts = json.loads(Path(prompts_path).read_text())
-    kinds = list(dict.fromkeys(p["kind"] for p in prompts))
-    per_kind = {k: [p for p in prompts if p["kind"] == k] for k in kinds}
-    picked, i = [], 0
-    while len(picked) < n and i < max(map(len, per_kind.values())):
-        picked += [per_kind[k][i] for k in kinds if i < len(per_kind[k])][:n - len(picked)]
-        i += 1
-    return [tokenizer.encode(p["prompt"]).ids[-max_prompt_tokens:] for p in picked]
 
 
 def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

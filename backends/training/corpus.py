@@ -162,3 +162,21 @@ def save_prompts(prompts: list[Prompt], path: str | Path) -> None:
 
 def load_prompts(path: str | Path) -> list[Prompt]:
     return [Prompt(**p) for p in json.loads(Path(path).read_text())]
+
+
+def held_out_prompt_ids(path: str | Path, tokenizer, n: int, max_prompt_tokens: int = 256,
+                        by_kind: bool = True) -> list[list[int]]:
+    """Token ids of ``n`` prompts of a prompts.json (:func:`save_prompts`), each cut to its
+    last ``max_prompt_tokens`` tokens: the same number of each kind (``by_kind``: kinds
+    taken in turn) or the first ``n`` in the file."""
+    prompts = load_prompts(path)
+    if not by_kind:
+        picked = prompts[:n]
+    else:
+        kinds = list(dict.fromkeys(p.kind for p in prompts))
+        per_kind = {k: [p for p in prompts if p.kind == k] for k in kinds}
+        picked, i = [], 0
+        while len(picked) < n and i < max(map(len, per_kind.values())):
+            picked += [per_kind[k][i] for k in kinds if i < len(per_kind[k])][:n - len(picked)]
+            i += 1
+    return [tokenizer.encode(p.prompt).ids[-max_prompt_tokens:] for p in picked]

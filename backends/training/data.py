@@ -64,20 +64,29 @@ def prepare_data(work_dir: str | Path, vocab_size: int = 4096, val_fraction: flo
     return TokenData(tok, data_dir, streams["train"], streams["validation"])
 
 
+def batch_generator(seed: int, step: int) -> torch.Generator:
+    """The generator that draws the batch of ``step``: seeded by (seed, step) alone, so a
+    resumed run draws the batches an uninterrupted one would."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
 def sample_batch(stream: torch.Tensor, batch_size: int, seq_len: int, seed: int,
                  step: int) -> torch.Tensor:
     """[batch_size, seq_len + 1] random windows; deterministic in (seed, step)."""
     if stream.numel() <= seq_len + 1:
         raise ValueError(f"training stream has {stream.numel()} tokens, "
                          f"fewer than seq_len + 1 = {seq_len + 1}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=g)
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,),
+                           generator=batch_generator(seed, step))
     offsets = torch.arange(seq_len + 1)
     return stream[starts[:, None] + offsets].long()
 
 
-def validation_windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
-    """Non-overlapping [n, seq_len + 1] windows from the start of the validation stream."""
+def next_token_windows(stream: torch.Tensor, seq_len: int,
+                       limit: int | None = None) -> torch.Tensor:
+    """[n, seq_len + 1] windows from the start of the validation stream, ``seq_len`` apart:
+    inputs and their next-token labels, each token a label once (consecutive windows share
+    one token, the last label of one being the first input of the next)."""
     n = (stream.numel() - 1) // seq_len
     if limit is not None:
         n = min(n, limit)

@@ -50,8 +50,9 @@ def train_windows(stream: torch.Tensor, num_windows: int, window_len: int, seed:
     return stream[idx].long()
 
 
-def validation_windows(stream: torch.Tensor, num_windows: int, window_len: int) -> torch.Tensor:
-    """The first ``num_windows`` non-overlapping windows of the validation stream."""
+def first_windows(stream: torch.Tensor, num_windows: int, window_len: int) -> torch.Tensor:
+    """The first ``num_windows`` non-overlapping windows [n, window_len] of a token stream
+    (the validation windows; :func:`train_windows` picks the training ones at random)."""
     n = min(num_windows, stream.numel() // window_len)
     if n == 0:
         raise ValueError(f"validation stream has {stream.numel()} tokens, fewer than one "
@@ -67,8 +68,8 @@ def compute_hidden_states(target: LlamaForCausalLM, windows: torch.Tensor,
     cfg, w = target.config, target.embed_tokens.weight
     n, width = windows.shape
     per_window = pages_needed(width, page_size)
-    pool = KVPagePool(cfg.num_hidden_layers, batch_windows * per_window, cfg.num_key_value_heads,
-                      page_size, cfg.head_dim, w.dtype, "HND", w.device)
+    pool = KVPagePool.for_model(cfg, batch_windows * per_window, page_size, w.dtype, "HND",
+                                w.device)
     runner = ModelRunner(target, pool)
     out = torch.empty(n, width, cfg.hidden_size, dtype=w.dtype)
     for a in range(0, n, batch_windows):

@@ -23,6 +23,9 @@ default (see configs/mtp.json).
 output back as the hidden state, at the positions and with the KV the engine's
 :meth:`MTPProposer.propose` uses, weighted ``unroll_decay ** (p-1)``.
 
+The loop (optimizer, schedule, cadence, resume) is :func:`.loop.run_training`; this
+module gives it the head's batches, loss, evaluation and exports.
+
 >>> cfg = MTPTrainConfig.from_file("configs/mtp.json")                         # doctest: +SKIP
 >>> train_mtp(cfg, "checkpoints/demo/target", data, ".cache/train/mtp", "checkpoints/demo/mtp")  # doctest: +SKIP
 """
@@ -32,7 +35,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,12 +43,16 @@ import torch.nn.functional as F
 
 from ..models import LlamaForCausalLM, load_model
 from ..models.mtp import MTPHead, save_mtp_head
-from .hidden_states import (HiddenStates, load_or_compute, target_fingerprint, train_windows,
-                            validation_windows)
-from .lm import OptimConfig, _atomic_save, _StopFlag, autocast, init_weights, lr_at
+from .data import batch_generator
+from .hidden_states import (HiddenStates, first_windows, load_or_compute, target_fingerprint,
+                            train_windows)
+from .lm import init_weights
+from .loop import (OptimConfig, StateFile, adamw, autocast, config_section, replacing_dir,
+                   run_training)
 
 log = logging.getLogger("tandem.train")
 EVAL_STEPS = 3
+CONFIG_NAME = "mtp config"         # in its error messages
 
 
 @dataclass(slots=True)
@@ -69,9 +76,10 @@ class MTPTrainConfig:
     def from_dict(cls, d: dict) -> "MTPTrainConfig":
         allowed = {"mtp", "optim", "comment"}
         if set(d) - allowed:
-            raise ValueError(f"mtp config: unknown sections {sorted(set(d) - allowed)}; "
+            raise ValueError(f"{CONFIG_NAME}: unknown sections {sorted(set(d) - allowed)}; "
                              f"allowed: {', '.join(sorted(allowed))}")
-        cfg = cls(_build(MTPConfig, d.get("mtp", {})), _build(OptimConfig, d.get("optim", {})))
+        cfg = cls(config_section(MTPConfig, d.get("mtp", {}), CONFIG_NAME),
+                  config_section(OptimConfig, d.get("optim", {}), CONFIG_NAME))
         if cfg.mtp.ce_labels not in ("target", "data"):
             raise ValueError(f"mtp.ce_labels {cfg.mtp.ce_labels!r} is invalid; allowed: target, data")
         if cfg.mtp.unroll < 1:
@@ -84,14 +92,6 @@ class MTPTrainConfig:
 
     def to_dict(self) -> dict:
         return {"mtp": asdict(self.mtp), "optim": asdict(self.optim)}
-
-
-def _build(cls, d: dict):
-    names = {f.name for f in fields(cls)}
-    if set(d) - names:
-        raise ValueError(f"mtp config: unknown {cls.__name__} keys {sorted(set(d) - names)}; "
-                         f"allowed: {', '.join(sorted(names))}")
-    return cls(**d)
 
 
 # -- the head's training forward ---------------------------------------------------------
@@ -257,51 +257,25 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     m, o = cfg.mtp, cfg.optim
-    state_path = work / "state.pt"
-    state = None
-    if resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"--resume: no {state_path}; start without --resume")
-        state = torch.load(state_path, weights_only=False)
+    states = StateFile(work / "state.pt", "head", cfg.to_dict())
+    state = states.load(resume, can_restart=True)
+    if state is not None:
         if state["config"] != cfg.to_dict():
-            raise ValueError(f"--resume: the config differs from the one in {state_path}")
+            raise ValueError(f"--resume: the config differs from the one in {states.path}")
         if state["target_fingerprint"] != target_fingerprint(target_dir):
-            raise ValueError(f"--resume: {state_path} trained a head for other target weights; "
+            raise ValueError(f"--resume: {states.path} trained a head for other target weights; "
                              "pass --restart to train one for this target")
-    elif state_path.is_file():
-        raise FileExistsError(f"{state_path} exists; pass --resume to continue it, --restart "
-                              "to start over, or choose another --work-dir")
     (work / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
-    serving = load_model(target_dir, m.hidden_dtype, device)
-    width = min(o.seq_len, serving.config.max_position_embeddings)
-    vocab = serving.config.vocab_size
-    for name, s in (("train", data.train), ("validation", data.validation)):
-        if s.numel() and (int(s.max()) >= vocab or int(s.min()) < 0):
-            raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
-                             f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
     cache = Path(hidden_cache) if hidden_cache is not None else work / "hidden"
-    train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width, o.seed),
-                               cache, m.hidden_dtype, device, serving)
-    val_hs = load_or_compute(target_dir, validation_windows(data.validation, o.eval_windows, width),
-                             cache, m.hidden_dtype, device, serving)
-    del serving
-
+    train_hs, val_hs, width = target_hidden_states(cfg, target_dir, data, cache, device)
     target = load_model(target_dir, "float32", device)     # frozen: embeddings, norm, lm_head
     torch.manual_seed(o.seed)
     head = MTPHead(target.config, use_norms=m.use_norms).to(device)
     init_weights(head, o.init_std)
-    decay = [p for p in head.parameters() if p.dim() >= 2]
-    no_decay = [p for p in head.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2))
-    step, wall, history, best = 0, 0.0, [], None
-    if state is not None:
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        step, wall, history, best = state["step"], state["wall_time_s"], state["history"], state["best"]
-        log.info("resumed at step %d (%.0f s of training so far)", step, wall)
+    opt = adamw(head, o)
+    progress = states.restore(state, head, opt)
+    best = state["best"] if state is not None else None
     n_params = sum(p.numel() for p in head.parameters())
     fingerprint = target_fingerprint(target_dir)
     log.info("MTP head (norms %s): %.2fM params on target %s (%s); %d train windows x %d tokens, "
@@ -309,85 +283,86 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
              fingerprint, len(train_hs), width, len(val_hs), torch.get_num_threads())
 
     def summary() -> dict:
-        return {"params": n_params, "use_norms": m.use_norms, "step": step, "steps_planned": o.steps,
-                "train_tokens": len(train_hs) * width, "tokens_seen": step * o.batch_size * width,
-                "wall_time_s": round(wall, 1), "threads": torch.get_num_threads(), "seed": o.seed,
-                "device": device, "target": str(target_dir), "target_fingerprint": fingerprint,
-                "command": command, "best": best, "config": cfg.to_dict(), "history": history}
+        return {"params": n_params, "use_norms": m.use_norms, "step": progress.step,
+                "steps_planned": o.steps, "train_tokens": len(train_hs) * width,
+                "tokens_seen": progress.step * o.batch_size * width,
+                "wall_time_s": round(progress.wall_time_s, 1), "threads": torch.get_num_threads(),
+                "seed": o.seed, "device": device, "target": str(target_dir),
+                "target_fingerprint": fingerprint, "command": command, "best": best,
+                "config": cfg.to_dict(), "history": progress.history}
 
     def export(dest: Path) -> None:
         save_mtp_head(head, dest, torch.bfloat16,
-                      extra={"target_fingerprint": fingerprint, "training_step": step})
+                      extra={"target_fingerprint": fingerprint, "training_step": progress.step})
         (dest / "training.json").write_text(json.dumps(summary(), indent=2) + "\n")
 
-    def save_state() -> None:
-        _atomic_save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(),
-                      "config": cfg.to_dict(), "wall_time_s": wall, "history": history,
-                      "best": best, "target_fingerprint": fingerprint}, state_path)
-        log.info("saved state at step %d", step)
-
-    if not history:     # the untrained head's figures, as a baseline
+    def validate() -> dict:
         val = evaluate(head, target, val_hs, m, o.amp, o.batch_size)
-        history.append({"step": 0, "wall_time_s": 0.0,
-                        **{k: [round(x, 4) for x in v] for k, v in val.items()}})
-        log.info("step 0 val ce %s kl %s reg %s top1 %s", _fmt(val["ce"]), _fmt(val["kl"]),
-                 _fmt(val["reg"]), _fmt(val["top1"]))
-    with _StopFlag() as stop:
-        head.train()
-        end = o.steps if max_steps is None else min(o.steps, step + max_steps)
-        last_save, t_log, sums, n_log = time.monotonic(), time.monotonic(), None, 0
-        while step < end and not stop.set:
-            t0 = time.monotonic()
-            lr = lr_at(step, o)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            g = torch.Generator().manual_seed(o.seed * 1_000_003 + step)
-            idx = torch.randint(0, len(train_hs), (o.batch_size,), generator=g)
-            s = mtp_loss(head, target, train_hs.tokens[idx].to(device),
-                         train_hs.hidden[idx].to(device), m, o.amp)
-            s.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), o.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            wall += time.monotonic() - t0
-            row = [s.loss.item(), s.kl[0], s.reg[0], s.top1[0]]
-            sums = row if sums is None else [a + x for a, x in zip(sums, row)]
-            n_log += 1
-            if step % o.log_every == 0 or step == end:
-                loss, kl, reg, top1 = (x / n_log for x in sums)
-                log.info("step %d/%d loss %.4f kl %.4f reg %.4f top1 %.3f lr %.2e gnorm %.2f "
-                         "%.0f tok/s", step, o.steps, loss, kl, reg, top1, lr, gnorm,
-                         n_log * o.batch_size * width / (time.monotonic() - t_log))
-                t_log, sums, n_log = time.monotonic(), None, 0
-            if step % o.eval_every == 0 or step == end:
-                t_eval = time.monotonic()
-                val = evaluate(head, target, val_hs, m, o.amp, o.batch_size)
-                history.append({"step": step, "wall_time_s": round(wall, 1),
-                                **{k: [round(x, 4) for x in v] for k, v in val.items()}})
-                log.info("step %d val ce %s kl %s reg %s top1 %s (eval %.1f s)", step,
-                         _fmt(val["ce"]), _fmt(val["kl"]), _fmt(val["reg"]), _fmt(val["top1"]),
-                         time.monotonic() - t_eval)
-                if best is None or val["top1"][0] >= best["top1"]:
-                    best = {"step": step, "top1": val["top1"][0], "kl": val["kl"][0]}
-                    export(work / "best")
-                t_log += time.monotonic() - t_eval
-            if time.monotonic() - last_save > o.save_every_minutes * 60:
-                save_state()
-                last_save = time.monotonic()
-    save_state()
+        progress.history.append({"step": progress.step,
+                                 "wall_time_s": round(progress.wall_time_s, 1),
+                                 **{k: [round(x, 4) for x in v] for k, v in val.items()}})
+        return val
+
+    def validate_and_keep_best(_figures) -> None:
+        nonlocal best
+        t_eval = time.monotonic()
+        val = validate()
+        log.info("step %d val %s (eval %.1f s)", progress.step, _describe(val),
+                 time.monotonic() - t_eval)
+        if best is None or val["top1"][0] >= best["top1"]:
+            best = {"step": progress.step, "top1": val["top1"][0], "kl": val["kl"][0]}
+            export(work / "best")
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(train_hs), (o.batch_size,),
+                            generator=batch_generator(o.seed, step))
+        return train_hs.tokens[idx].to(device), train_hs.hidden[idx].to(device)
+
+    def train_loss(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+        s = mtp_loss(head, target, *batch, m, o.amp)
+        return s.loss, [s.loss.item(), s.kl[0], s.reg[0], s.top1[0]]
+
+    def save() -> None:
+        states.save(progress, head, opt, best=best, target_fingerprint=fingerprint)
+
+    if not progress.history:     # the untrained head's figures, as a baseline
+        log.info("step 0 val %s", _describe(validate()))
+    run_training(head, opt, o, progress, max_steps=max_steps, batch_at=batch_at,
+                 train_loss=train_loss, evaluate=validate_and_keep_best, save=save,
+                 tokens_per_step=o.batch_size * width,
+                 log_format="loss %.4f kl %.4f reg %.4f top1 %.3f")
     result = summary()
-    if step >= o.steps and out_dir is not None:
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(work / "best", tmp)
-        (tmp / "training.json").write_text(json.dumps(result, indent=2) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.replace(out)
+    if progress.step >= o.steps and out_dir is not None:
+        with replacing_dir(out_dir) as tmp:
+            shutil.copytree(work / "best", tmp)
+            (tmp / "training.json").write_text(json.dumps(result, indent=2) + "\n")
         log.info("exported the head of step %d (validation top-1 %.3f) to %s",
-                 best["step"], best["top1"], out)
+                 best["step"], best["top1"], Path(out_dir))
     return result
+
+
+def target_hidden_states(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
+                         cache: Path, device: str) -> tuple[HiddenStates, HiddenStates, int]:
+    """The target's hidden states of the training and validation windows (from ``cache``
+    or computed), and the window width."""
+    m, o = cfg.mtp, cfg.optim
+    serving = load_model(target_dir, m.hidden_dtype, device)
+    width = min(o.seq_len, serving.config.max_position_embeddings)
+    vocab = serving.config.vocab_size
+    for name, s in (("train", data.train), ("validation", data.validation)):
+        if s.numel() and (int(s.max()) >= vocab or int(s.min()) < 0):
+            raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
+                             f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
+    train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width, o.seed),
+                               cache, m.hidden_dtype, device, serving)
+    val_hs = load_or_compute(target_dir, first_windows(data.validation, o.eval_windows, width),
+                             cache, m.hidden_dtype, device, serving)
+    return train_hs, val_hs, width
+
+
+def _describe(val: dict) -> str:
+    """Validation figures per draft step, e.g. ``ce 5.1/5.2 kl ... reg ... top1 ...``."""
+    return " ".join(f"{k} {_fmt(val[k])}" for k in ("ce", "kl", "reg", "top1"))
 
 
 def _fmt(xs: list[float]) -> str:

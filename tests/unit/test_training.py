@@ -14,7 +14,8 @@ from tandem.backends.training.corpus import (
     PROMPT_KINDS, build_corpus, extract_prompts, held_out_prompts, is_validation, list_sources,
     stdlib_root, Document)
 from tandem.backends.training.hf_export import tandem_to_hf
-from tandem.backends.training.lm import LMTrainConfig, OptimConfig, lr_at, train_lm
+from tandem.backends.training.lm import LMTrainConfig, train_lm
+from tandem.backends.training.loop import OptimConfig, lr_at
 from tandem.backends.training.tokenizer import (
     BOS, EOS, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer)
 
