@@ -6,7 +6,6 @@ from typing import Protocol
 import torch
 
 
-
 class KVShape(Protocol):
     """What a pool needs of a model (a ``ModelConfig`` has it)."""
     num_hidden_layers: int
