@@ -22,7 +22,23 @@ __all__ = [
 ]
 
 
-class BatchPrefillWithPagedKVCacheWrapper:
+class _PagedWrapper:
+    """FlashInfer's wrapper on a CUDA workspace, the torch twin otherwise; ``run`` per layer."""
+    _flashinfer = None     # flashinfer_impl factory: (workspace, kv_layout, **kwargs) -> wrapper
+    _torch = None          # torch_ref class: (workspace, kv_layout) -> wrapper
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs):
+        if flashinfer_impl.wanted(float_workspace_buffer):
+            self._impl = self._flashinfer(float_workspace_buffer, kv_layout, **kwargs)
+        else:
+            self._impl = self._torch(float_workspace_buffer, kv_layout)
+
+    def run(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
+        """``q`` ``[tokens, num_qo_heads, head_dim]`` -> output of the same shape and dtype."""
+        return self._impl.run(q, paged_kv_cache, **kwargs)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
     """Prefill/append attention of ragged queries over a paged KV cache.
 
     ``plan()`` once per batch, ``run()`` once per layer.  With ``causal=True``
@@ -42,11 +58,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
     torch.Size([5, 4, 16])
     """
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs):
-        if flashinfer_impl.wanted(float_workspace_buffer):
-            self._impl = flashinfer_impl.prefill_wrapper(float_workspace_buffer, kv_layout, **kwargs)
-        else:
-            self._impl = torch_ref.TorchBatchPrefillWrapper(float_workspace_buffer, kv_layout)
+    _flashinfer = staticmethod(flashinfer_impl.prefill_wrapper)
+    _torch = torch_ref.TorchBatchPrefillWrapper
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False, sm_scale=None,
@@ -56,12 +69,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
                         num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=causal,
                         sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type, **kwargs)
 
-    def run(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
-        """``q`` ``[nnz_qo, num_qo_heads, head_dim]`` -> output of the same shape and dtype."""
-        return self._impl.run(q, paged_kv_cache, **kwargs)
 
-
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     """Decode attention: one query per request over a paged KV cache.
 
     >>> import torch
@@ -76,21 +85,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
     torch.Size([2, 4, 16])
     """
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs):
-        if flashinfer_impl.wanted(float_workspace_buffer):
-            self._impl = flashinfer_impl.decode_wrapper(float_workspace_buffer, kv_layout, **kwargs)
-        else:
-            self._impl = torch_ref.TorchBatchDecodeWrapper(float_workspace_buffer, kv_layout)
+    _flashinfer = staticmethod(flashinfer_impl.decode_wrapper)
+    _torch = torch_ref.TorchBatchDecodeWrapper
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              *, sm_scale=None, q_data_type="float16", kv_data_type=None, **kwargs) -> None:
         self._impl.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                         page_size, sm_scale=sm_scale, q_data_type=q_data_type,
                         kv_data_type=kv_data_type, **kwargs)
-
-    def run(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
-        """``q`` ``[batch, num_qo_heads, head_dim]`` -> output of the same shape and dtype."""
-        return self._impl.run(q, paged_kv_cache, **kwargs)
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,

@@ -16,14 +16,15 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from .inputs import input_getter
 from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
 from .generate_request import RequestError, parse_token_request
+from .inputs import input_getter
 from .metrics import Poller, TransferMetrics
+from .per_request import PerRequestModel, error_response
 from .settings import EngineSettings, model_limits
 
 
-class TritonPythonModel:
+class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
         from tandem.backends.disagg import open_or_create
         from tandem.rdma import KVReceiver
@@ -37,10 +38,7 @@ class TritonPythonModel:
         self.metrics_poller = Poller(lambda: self.metrics.poll_receiver(self.receiver.stats, self.pool))
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
 
-    def execute(self, requests):
-        return [self._one(r) for r in requests]
-
-    def _one(self, request):
+    def respond(self, request):
         from tandem.rdma import PoolExhausted
 
         get = input_getter(request)
@@ -48,13 +46,13 @@ class TritonPythonModel:
         try:
             n = len(parse_token_request(get, self.vocab_size, self.max_model_len).prompt)
         except RequestError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            return error_response(str(e))
         try:
             desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
         except PoolExhausted as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE))
+            return error_response(
+                f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
 

@@ -123,11 +123,22 @@ def _set_pages(r: _Registry, pages: dict[str, int]) -> None:
         r.metric("tandem_kv_pages", "gauge", "KV cache pages by state", state=state).set(pages[state])
 
 
-class EngineMetrics:
+class _ModelMetrics:
+    """One model version's metrics, labelled with its name and version."""
+
+    def __init__(self, model: str, version: str):
+        self._r = _Registry(model, version)
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class EngineMetrics(_ModelMetrics):
     """What the ``llm`` and ``decode`` models record about requests and the engine."""
 
     def __init__(self, model: str, version: str):
-        r = self._r = _Registry(model, version)
+        super().__init__(model, version)
+        r = self._r
         self.ttft = r.metric("tandem_time_to_first_token_seconds", "histogram",
                              "time from the model receiving a request to its first token",
                              TTFT_BUCKETS)
@@ -207,18 +218,15 @@ class EngineMetrics:
                      "requests whose prompt KV never arrived, by reason",
                      reason=reason).increment(d.take(("failure", reason), total))
 
-    def close(self) -> None:
-        self._r.close()
 
-
-class TransferMetrics:
+class TransferMetrics(_ModelMetrics):
     """What the ``kv_transfer`` model records: bytes, reservations, transfer time."""
 
     def __init__(self, model: str, version: str):
-        r = self._r = _Registry(model, version)
-        self.seconds = r.metric("tandem_kv_transfer_seconds", "histogram",
-                                "time from reserving decode pages to the last KV byte arriving",
-                                TRANSFER_BUCKETS)
+        super().__init__(model, version)
+        self.seconds = self._r.metric(
+            "tandem_kv_transfer_seconds", "histogram",
+            "time from reserving decode pages to the last KV byte arriving", TRANSFER_BUCKETS)
         self._deltas = Deltas()
 
     def on_ready(self, trace) -> None:   # the receiver's transport thread
@@ -233,9 +241,6 @@ class TransferMetrics:
                  ).increment(d.take("reservations", stats.reservations))
         s = pool.stats()
         _set_pages(r, {"free": s.free, "reserved": s.reserved, "in_use": s.in_use})
-
-    def close(self) -> None:
-        self._r.close()
 
 
 class Poller:

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from .inputs import input_getter
 from .cancel_channel import CANCEL_TOKEN, send_cancel
 from .generate_request import RequestError, scalar
+from .inputs import input_getter
+from .per_request import PerRequestModel, error_response
 from .postprocess import ensemble_outputs
 
 
-class TritonPythonModel:
-    def execute(self, requests):
-        return [self._one(r) for r in requests]
-
-    def _one(self, request):
+class TritonPythonModel(PerRequestModel):
+    def respond(self, request):
         get = input_getter(request)
 
         try:
@@ -35,6 +33,6 @@ class TritonPythonModel:
                                              "take its cancel token; the sequence runs to its end")
             outputs = ensemble_outputs(get)
         except RequestError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            return error_response(str(e))
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])

@@ -18,10 +18,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .disagg_common import INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, PREFILL_ACK, token_ids
+from .per_request import PerRequestModel, error_response
 from .settings import EngineSettings
 
 
-class TritonPythonModel:
+class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.service = self.router = None
@@ -40,10 +41,7 @@ class TritonPythonModel:
         self.service = PrefillService(s.engine_config(num_pages=None))
         self.service.start()
 
-    def execute(self, requests):
-        return [self._one(r) for r in requests]
-
-    def _one(self, request):
+    def respond(self, request):
         from tandem.rdma import DestinationDescriptor
         from tandem.rdma.wire import MalformedMessage
 
@@ -58,11 +56,11 @@ class TritonPythonModel:
                     self.service.submit(DestinationDescriptor.from_bytes(desc), token_ids(ids_arr),
                                         _log_failure)
             except (MalformedMessage, ValueError) as e:
-                return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"kv_descriptor: {e}", pb_utils.TritonError.INTERNAL))
+                return error_response(
+                    f"kv_descriptor: {e}", pb_utils.TritonError.INTERNAL)
             except RuntimeError as e:   # PrefillUnavailable: every prefill server failed
-                return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    str(e), pb_utils.TritonError.UNAVAILABLE))
+                return error_response(
+                    str(e), pb_utils.TritonError.UNAVAILABLE)
         ack = np.ones((1, 1), dtype=bool)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PREFILL_ACK, ack)])
 

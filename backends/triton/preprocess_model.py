@@ -13,14 +13,15 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .inputs import input_getter
 from .disagg_common import INPUT_IDS
 from .generate_request import RequestError, check_context, parse_generate_request, string_array
+from .inputs import input_getter
+from .per_request import PerRequestModel, error_response
 from .postprocess import PROMPT_ECHO, prompt_echo
 from .settings import EngineSettings, model_limits
 
 
-class TritonPythonModel:
+class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
         from tandem.backends.models.tokenizer import load_tokenizer
 
@@ -30,10 +31,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"model_dir {s.model_dir} has no tokenizer.json")
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
 
-    def execute(self, requests):
-        return [self._one(r) for r in requests]
-
-    def _one(self, request):
+    def respond(self, request):
         get = input_getter(request)
         try:
             parsed = parse_generate_request(get, vocab_size=self.vocab_size)
@@ -42,7 +40,7 @@ class TritonPythonModel:
                 raise RequestError("text_input", "has no tokens; allowed: a non-empty string")
             check_context(len(ids), parsed.max_tokens, self.max_model_len, "text_input")
         except RequestError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            return error_response(str(e))
         ids = np.asarray(ids, dtype=np.int32).reshape(1, -1)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor(INPUT_IDS, ids), pb_utils.Tensor(PROMPT_ECHO, string_array(prompt_echo(parsed)))])
