@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from .bench_report import header, save_figure, write
+from .bench_common import timed
+from .bench_report import command, save_figure, write
 
 DEFAULT_OUT = Path("docs/bench/engine.json")
 
@@ -46,22 +46,13 @@ def bench_model_dir() -> Path:
     return out
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def tandem_decode_tps(model_dir, dtype, prompts, new_tokens, repeats) -> float:
     from tandem.backends import LLM, SamplingParams
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=len(prompts),
               max_num_batched_tokens=max(512, sum(map(len, prompts))))
     run = lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     run(2)  # warm-up
-    t_n, t_1 = best_time(lambda: run(new_tokens), repeats), best_time(lambda: run(1), repeats)
+    t_n, t_1 = timed(lambda: run(new_tokens), repeats), timed(lambda: run(1), repeats)
     return len(prompts) * (new_tokens - 1) / (t_n - t_1)
 
 
@@ -76,7 +67,7 @@ def hf_decode_tps(model_dir, dtype, prompts, new_tokens, repeats) -> float:
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
                            min_new_tokens=n, pad_token_id=0)
     run(2)
-    t_n, t_1 = best_time(lambda: run(new_tokens), repeats), best_time(lambda: run(1), repeats)
+    t_n, t_1 = timed(lambda: run(new_tokens), repeats), timed(lambda: run(1), repeats)
     return len(prompts) * (new_tokens - 1) / (t_n - t_1)
 
 
@@ -103,7 +94,7 @@ def run(args) -> int:
                           f"{platform.processor() or platform.platform()}",
                   model=str(model_dir), dtype=args.dtype, prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens, rows=rows)
-    result["command"] = header("engine", args)["command"]
+    result["command"] = command("engine", args)
     write(result, args.out)
     print(f"wrote {args.out}, {plot(rows, args.out, result)}")
     return 0

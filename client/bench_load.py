@@ -10,14 +10,14 @@ import tempfile
 from pathlib import Path
 
 from .bench_report import header, save_figure, write
-from .bench_serving import DEMO
+from .paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/load.json")
 MODES = {"disaggregated": "tandem", "colocated": "tandem_colocated"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--request-count", type=int, default=48, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_mode(mode: str, args, work: Path) -> list[dict]:
     from .perf_analyzer import PerfOptions, profile
-    from .serve import ServeOptions, TritonServer
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, mode=mode,
                            torch_threads=args.threads, spec_method=args.spec)
     with TritonServer(options, run_dir=work / mode, log_file=work / f"{mode}.log",

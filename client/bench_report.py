@@ -17,11 +17,16 @@ def header(name: str, args: argparse.Namespace) -> dict:
         load = " load average %.2f" % os.getloadavg()[0]
     except OSError:
         load = ""
-    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                       if k not in ("func", "command", "benchmark") and v is not None)
     return {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()};{load}",
-            "command": f"tandem bench {name} {options}"}
+            "command": command(name, args)}
+
+
+def command(name: str, args: argparse.Namespace) -> str:
+    """The ``tandem bench`` command line that reproduces the run, every option spelt out."""
+    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                       if k not in ("func", "command", "benchmark") and v is not None)
+    return f"tandem bench {name} {options}"
 
 
 def write(report: dict, out: Path) -> None:

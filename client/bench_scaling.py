@@ -14,20 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from .bench_common import long_context_copy, prompt_texts
 from .bench_report import header, save_figure, write
-from .bench_serving import DEMO, StreamingClient, long_context_copy, prompt_texts
-from .serving_workload import percentile
+from .paths import DEMO_CHECKPOINTS
+from .streaming_client import StreamingClient, closed_loop
 
 DEFAULT_OUT = Path("docs/bench/scaling.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--decoders", default="1,2,3", help="decode servers per run")
     p.add_argument("--streams", type=int, default=4, help="requests in flight per decode server")
     p.add_argument("--prompt-tokens", type=int, default=1024)
@@ -43,54 +42,9 @@ def _cpus(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def closed_loop(clients: list[StreamingClient], prompts: list[str], prompt_tokens: int,
-                streams: int, max_tokens: int, duration: float) -> dict:
-    """Keep ``streams`` requests in flight on every client for ``duration`` seconds."""
-    for c in clients:   # what an earlier loop left behind is not this loop's
-        while not c.finished.empty():
-            c.finished.get()
-        for j in range(streams):
-            c.send("long", prompts[j % len(prompts)], prompt_tokens, max_tokens)
-    start = time.monotonic()
-    done = []
-    n = 0
-    while time.monotonic() - start < duration:
-        for c in clients:
-            while not c.finished.empty():
-                log = c.finished.get()
-                done.append(log)
-                n += 1
-                if time.monotonic() - start < duration:
-                    c.send("long", prompts[n % len(prompts)], prompt_tokens, max_tokens)
-        time.sleep(0.01)
-    end = time.monotonic()
-    deadline = end + 120
-    for c in clients:   # drain what is still running (not counted)
-        while any(log.done_at is None for log in c.logs.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    warm = start + min(5.0, duration / 4)
-    counted = [log for log in done if log.sent_at >= warm and log.done_at and log.done_at <= end]
-    span = end - warm
-    ttfts = [log.ttft for log in counted if log.ttft is not None]
-    speeds = [v for log in counted for v in [log.decode_tokens_per_s()] if v is not None]
-    out_tokens = sum(k for log in counted for _, k in log.events)
-    errors = sum(len(c.errors) for c in clients)
-    return {
-        "requests": len(counted), "errors": errors,
-        "requests_per_s": round(len(counted) / span, 3),
-        "prefill_tokens_per_s": round(len(counted) * prompt_tokens / span, 1),
-        "output_tokens_per_s": round(out_tokens / span, 1),
-        "ttft_ms_p50": _ms(percentile(ttfts, 50)), "ttft_ms_p90": _ms(percentile(ttfts, 90)),
-        "decode_tok_s_median": round(statistics.median(speeds), 1) if speeds else None,
-    }
-
-
-def _ms(x):
-    return None if x is None else round(x * 1000, 1)
-
-
 def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> dict:
-    from .serve import ServeOptions, TritonServer
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
     common = dict(model_dir=str(model_dir), dtype=args.dtype, torch_threads=1, max_num_seqs=32,
                   max_num_batched_tokens=512)
     servers = []

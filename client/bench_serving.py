@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from .bench_common import long_context_copy, prompt_texts
 from .bench_report import header, save_figure, write
+from .paths import DEMO_CHECKPOINTS
 from .serving_workload import StreamLog, poisson_arrivals, summarize
+from .streaming_client import StreamingClient
 
-DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 DEFAULT_OUT = Path("docs/bench/serving.json")
 MODES = {"colocated": "tandem_colocated", "disaggregated": "tandem"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--rates", default="0,0.1,0.2,0.4", help="long-prompt arrivals per second")
     p.add_argument("--duration", type=float, default=40.0, help="seconds per rate")
     p.add_argument("--background", type=int, default=4, help="streams decoding all the time")
@@ -46,89 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
-# -- the model and the prompts ------------------------------------------------------------
-def long_context_copy(src: Path, dst: Path, max_len: int) -> Path:
-    """``src``'s weights and tokenizer with ``max_position_embeddings`` = ``max_len``."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "config.json":
-            target = dst / f.name
-            if not target.exists():
-                os.symlink(f.resolve(), target)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["max_position_embeddings"] = max(max_len, cfg["max_position_embeddings"])
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
-def prompt_texts(model_dir: Path, lengths: list[int]) -> list[str]:
-    """Texts of about ``lengths`` tokens each, cut from the standard library's source."""
-    import sysconfig
-
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    ids: list[int] = []
-    for f in sorted(stdlib.glob("*.py")):
-        ids += tok.encode(f.read_text(errors="replace")).ids
-        if len(ids) > 3 * max(lengths) + sum(lengths):
-            break
-    out, pos = [], 0
-    for n in lengths:
-        out.append(tok.decode(ids[pos:pos + n]))
-        pos = (pos + n) % max(1, len(ids) - max(lengths))
-    return out
-
-
-# -- the client ---------------------------------------------------------------------------
-class StreamingClient:
-    """One gRPC stream multiplexing every request; logs each response's time."""
-
-    def __init__(self, url: str, model: str):
-        import tritonclient.grpc as grpcclient
-        self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
-        self.logs: dict[str, StreamLog] = {}
-        self.errors: list[str] = []   # error responses (the stream does not say whose)
-        self.finished: queue.Queue = queue.Queue()
-        self._ids = iter(range(1 << 62))
-        self._lock = threading.Lock()
-        self.client.start_stream(callback=self._on_response)
-
-    def send(self, kind: str, prompt: str, prompt_tokens: int, max_tokens: int) -> str:
-        from .generate import build_inputs
-        rid = f"{kind}-{next(self._ids)}"
-        log = StreamLog(rid, kind, prompt_tokens, time.monotonic())
-        with self._lock:
-            self.logs[rid] = log
-        inputs = build_inputs(prompt, max_tokens=max_tokens, stream=True, temperature=0.0)
-        self.client.async_stream_infer(self.model, inputs, request_id=rid,
-                                       enable_empty_final_response=True)
-        return rid
-
-    def _on_response(self, result, error) -> None:
-        now = time.monotonic()
-        if error is not None:
-            self.errors.append(str(error))
-            return
-        from .generate import parse_response
-        r = parse_response(result)
-        rid = result.get_response().id
-        log = self.logs.get(rid)
-        if log is None:
-            return
-        seen = sum(k for _, k in log.events)
-        if r.num_output_tokens > seen:
-            log.events.append((now, r.num_output_tokens - seen))
-        if r.final:
-            log.done_at = now
-            self.finished.put(log)
-
-    def close(self) -> None:
-        self.client.stop_stream(cancel_requests=True)
-        self.client.close()
-
-
+# -- the workload ----------------------------------------------------------------------
 def run_rate(client: StreamingClient, rate: float, duration: float, background: list[str],
              background_tokens: int, longs: list[tuple[str, int]], long_max_tokens: int,
              seed: int) -> tuple[list[StreamLog], tuple[float, float]]:
@@ -165,7 +83,8 @@ def run_rate(client: StreamingClient, rate: float, duration: float, background: 
 
 # -- one mode -----------------------------------------------------------------------------
 def run_mode(mode: str, args, model_dir: Path, run_dir: Path) -> dict:
-    from .serve import ServeOptions, TritonServer
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
     cores = args.cores
     options = ServeOptions(model_dir=str(model_dir), dtype=args.dtype, mode=mode,
                            torch_threads=cores if mode == "colocated" else max(1, cores // 2),

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
+from .bench_common import timed
 from .bench_report import header, save_figure, write
 
 DEMO = Path("checkpoints/demo")
@@ -33,20 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
-def held_out_prompts(target: Path, n: int, tokenizer) -> list[list[int]]:
-    path = target / "prompts.json"
-    if path.exists():
-        texts = [p["prompt"] for p in json.loads(path.read_text())]
-    else:
-        texts = ["def fib(n):", "class Stack:", "import os\n", "    def __init__(self):"]
-    # keep prompts short enough that decode, not prefill, dominates
+def bench_prompt_ids(target: Path, n: int, tokenizer) -> list[list[int]]:
+    """The first ``n`` of the target's held-out prompts (a few stock ones if it has none),
+    each cut to 96 tokens so that decode, not prefill, dominates."""
+    from tandem.backends.training.corpus import held_out_prompt_ids
+    if (target / "prompts.json").exists():
+        return held_out_prompt_ids(target / "prompts.json", tokenizer, n, 96, by_kind=False)
+    texts = ["def fib(n):", "class Stack:", "import os\n", "    def __init__(self):"]
     return [tokenizer.encode(t).ids[-96:] for t in texts[:n]]
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def tandem_row(target, dtype, prompts, new_tokens, speculative=None) -> dict:
@@ -54,7 +48,7 @@ def tandem_row(target, dtype, prompts, new_tokens, speculative=None) -> dict:
     llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    llm.engine.spec_metrics.__init__(llm.engine.num_speculative_tokens)
+    llm.engine.spec_metrics.reset()
     seconds = timed(lambda: llm.generate(prompts, params))
     m = llm.engine.spec_metrics
     return dict(tokens_per_s=len(prompts) * new_tokens / seconds / len(prompts),
@@ -97,7 +91,7 @@ def run(args) -> int:
     if not (args.target / "config.json").exists():
         raise SystemExit(f"--target {args.target}: no checkpoint (train it: see checkpoints/demo/README.md)")
     tok = load_tokenizer(args.target)
-    base_prompts = held_out_prompts(args.target, args.num_prompts, tok)
+    base_prompts = bench_prompt_ids(args.target, args.num_prompts, tok)
     methods = []
     if (args.draft / "config.json").exists():
         methods.append(("draft_target", dict(draft_model=str(args.draft))))

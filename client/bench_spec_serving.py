@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 
 from .bench_report import header, save_figure, write
-from .bench_scaling import closed_loop
-from .bench_serving import DEMO, StreamingClient
+from .paths import DEMO_CHECKPOINTS
+from .streaming_client import StreamingClient, closed_loop
 
 DEFAULT_OUT = Path("docs/bench/spec_serving.json")
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
@@ -22,7 +22,7 @@ PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n  
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO / "target")
+    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--methods", default="none,draft_target,mtp")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--concurrency", default="1,8")
@@ -40,7 +40,8 @@ def _scrape(url: str, name: str, model: str = "decode") -> float | None:
 
 
 def run_setting(method: str, k: int, args, work: Path) -> dict:
-    from .serve import ServeOptions, TritonServer
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
                            spec_method=method, num_speculative_tokens=k)
     row = {"method": method, "k": k if method != "none" else 0}

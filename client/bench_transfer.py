@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_common import timed
+from .bench_report import command, save_figure
+
 DEFAULT_OUT = Path("docs/bench/transfer.json")
 SHARD_PAIRS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (4, 1)),
                ((8, 1), (2, 1)), ((4, 4), (8, 8))]
@@ -97,14 +100,7 @@ class _Receiver:
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
     src = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
     dst = np.ones(nbytes, dtype=np.uint8)   # touched, like the pre-faulted pool
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-    return nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return nbytes / timed(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
 def _transfer(sender, rx, pool, tokens, run_pages, src_pages, layer_s=0.0, after=False):
@@ -195,9 +191,7 @@ def run(args) -> int:
     report = _report(results, args)
     print(report)
     results["meta"] = {
-        "command": "tandem bench transfer " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k not in ("func", "command", "benchmark") and v is not None),
+        "command": command("transfer", args),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "shape": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
@@ -219,8 +213,6 @@ def plot(results: dict, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .bench_report import save_figure
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for ps in sorted({r["page_size"] for r in results["throughput"]}):
         rs = sorted((r for r in results["throughput"] if r["page_size"] == ps), key=lambda r: r["op_bytes"])

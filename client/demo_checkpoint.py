@@ -20,10 +20,11 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from .paths import CACHE, DEMO_CHECKPOINTS
+
 BOS, EOS = "<s>", "</s>"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRAINED_DEMO = REPO_ROOT / "checkpoints" / "demo" / "target"
-DEFAULT_OUT = REPO_ROOT / ".cache" / "demo-untrained"
+TRAINED_DEMO = DEMO_CHECKPOINTS / "target"
+DEFAULT_OUT = CACHE / "demo-untrained"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 # A few standard-library modules as tokenizer training text; all ship with CPython.

@@ -62,14 +62,10 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
     else:
         inputs = [tensor("input_ids", [int(t) for t in prompt], np.int32, "INT32")]
     inputs += [tensor("max_tokens", max_tokens, np.int32, "INT32"), tensor("stream", stream, np.bool_, "BOOL")]
-    if temperature is not None:
-        inputs.append(tensor("temperature", temperature, np.float32, "FP32"))
-    if top_p is not None:
-        inputs.append(tensor("top_p", top_p, np.float32, "FP32"))
-    if top_k is not None:
-        inputs.append(tensor("top_k", top_k, np.int32, "INT32"))
-    if seed is not None:
-        inputs.append(tensor("seed", seed, np.uint64, "UINT64"))
+    optional = (("temperature", temperature, np.float32, "FP32"), ("top_p", top_p, np.float32, "FP32"),
+                ("top_k", top_k, np.int32, "INT32"), ("seed", seed, np.uint64, "UINT64"))
+    inputs += [tensor(name, value, dtype, triton_type) for name, value, dtype, triton_type in optional
+               if value is not None]
     if stop_words:
         inputs.append(tensor("stop_words", [w.encode("utf-8") for w in stop_words], np.object_, "BYTES"))
     return inputs

@@ -41,8 +41,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LIB_DIR = REPO_ROOT / ".cache" / "perf_analyzer" / "lib"
+from .paths import CACHE
+
+LIB_DIR = CACHE / "perf_analyzer" / "lib"
 INSTALL_HINT = ("run `bash scripts/install_perf_analyzer_deps.sh` (links the copies nvidia-pytriton bundles "
                 "into .cache/perf_analyzer/lib; --download fetches libb64-0d with apt-get download and "
                 "nvidia-cuda-runtime-cu12 with pip), or install them system-wide: "

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 METHODS = ("draft_target", "mtp")
 KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}
+NO_SPECULATION = "none"            # how settings and the CLI spell method=None
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 
 @dataclass(slots=True, frozen=True)
@@ -14,7 +16,7 @@ class SpeculativeConfig:
     >>> SpeculativeConfig("mtp", num_speculative_tokens=2, mtp_head="checkpoints/demo/mtp").validate()
     """
     method: str | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     draft_model: str | None = None
     mtp_head: str | None = None
 

@@ -15,6 +15,11 @@ class SpecDecodeMetrics:
     def __post_init__(self):
         self.accepted_per_position = [0] * self.num_speculative_tokens
 
+    def reset(self) -> None:
+        """Count from zero again (after a warm-up), for the same ``num_speculative_tokens``."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
     def record(self, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += self.num_speculative_tokens

@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass, fields
 
 from ..engine.config import ENGINE_DEFAULTS, EngineConfig
-from ..speculative.config import SpeculativeConfig
+from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION,
+                                  SpeculativeConfig)
 
 STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
                  "prefill_endpoints")
@@ -33,8 +34,8 @@ class EngineSettings:
     max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
     torch_threads: int = 0                # 0: all cores
     cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
-    spec_method: str = "none"             # none | draft_target | mtp
-    num_speculative_tokens: int = 3
+    spec_method: str = NO_SPECULATION     # none | draft_target | mtp
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     draft_model: str = ""
     mtp_head: str = ""
     prefill_endpoints: str = ""           # "host:port,...": prefill servers (prefill forwards)
@@ -81,7 +82,7 @@ class EngineSettings:
         return self.torch_threads or (os.cpu_count() or 1)
 
     def speculative(self) -> SpeculativeConfig | None:
-        if self.spec_method == "none":
+        if self.spec_method == NO_SPECULATION:
             return None
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)

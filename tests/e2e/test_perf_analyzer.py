@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.client.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnavailable, PerfOptions, check, profile
-from tandem.client.serve import ServeOptions, TritonServer
+from tandem.client.serve_options import ServeOptions
+from tandem.client.triton_server import TritonServer
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,8 @@ import pytest
 
 from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
-from tandem.client.serve import MODES, ServeOptions, TritonServer, free_port, stub_processes
+from tandem.client.serve_options import MODES, ServeOptions
+from tandem.client.triton_server import TritonServer, free_port, stub_processes
 
 from .triton_calls import http_post, metric, sse_events
 

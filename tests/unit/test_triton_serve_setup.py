@@ -14,7 +14,8 @@ import pytest
 from tandem.client import cli
 from tandem.client.demo_checkpoint import CHECKPOINT_FILES, make_demo_checkpoint
 from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_INPUT_NAMES, TOKEN_OUTPUT_NAMES
-from tandem.client.serve import ENSEMBLES, MODEL_REPOSITORY, MODES, ServeOptions, ServerError, render_repository
+from tandem.client.repository import MODEL_REPOSITORY, render_repository
+from tandem.client.serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
 from tandem.client.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
 
 

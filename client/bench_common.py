@@ -1,0 +1,56 @@
+"""What the benchmarks share besides their reports (``bench_report``) and their
+server client (``streaming_client``): a timer, and the model and prompts the serving
+benchmarks send.
+
+>>> timed(lambda: sum(range(1000)), repeats=3) < 1.0
+True
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+def timed(fn, repeats: int = 1) -> float:
+    """Seconds one call of ``fn`` takes: the best of ``repeats`` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def long_context_copy(src: Path, dst: Path, max_len: int) -> Path:
+    """``src``'s weights and tokenizer with ``max_position_embeddings`` = ``max_len``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            target = dst / f.name
+            if not target.exists():
+                os.symlink(f.resolve(), target)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_position_embeddings"] = max(max_len, cfg["max_position_embeddings"])
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def prompt_texts(model_dir: Path, lengths: list[int]) -> list[str]:
+    """Texts of about ``lengths`` tokens each, cut from the standard library's source."""
+    import sysconfig
+
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids: list[int] = []
+    for f in sorted(stdlib.glob("*.py")):
+        ids += tok.encode(f.read_text(errors="replace")).ids
+        if len(ids) > 3 * max(lengths) + sum(lengths):
+            break
+    out, pos = [], 0
+    for n in lengths:
+        out.append(tok.decode(ids[pos:pos + n]))
+        pos = (pos + n) % max(1, len(ids) - max(lengths))
+    return out

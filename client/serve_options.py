@@ -1,0 +1,97 @@
+"""What ``tandem serve`` serves: the modes (which models), the ensembles clients call,
+and :class:`ServeOptions`, the settings rendered into each model's ``config.pbtxt``.
+
+The engine's settings default to :data:`~tandem.backends.engine.config.ENGINE_DEFAULTS`
+(one place for them); what is only the server's (mode, threads, remote prefill) is
+defaulted here.
+
+>>> ServeOptions(mode="colocated").ensembles
+('tandem_colocated',)
+>>> ServeOptions().page_size == ENGINE_DEFAULTS["page_size"]
+True
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tandem.backends.engine.config import ENGINE_DEFAULTS
+from tandem.backends.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION
+
+from .paths import DEMO_CHECKPOINTS
+
+# the ensembles clients call, with what each is for (the other models are their steps)
+ENSEMBLES = {
+    "tandem": "text, disaggregated prefill/decode",
+    "tandem_tokens": "token ids, disaggregated prefill/decode",
+    "tandem_colocated": "text, colocated (the baseline)",
+}
+COLOCATED = ("preprocess", "llm", "postprocess", "tandem_colocated")
+PREFILL = ("prefill",)   # a prefill server: decode servers send it jobs (--prefill-endpoints)
+DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "tandem", "tandem_tokens")
+# the models each mode serves; "both" puts the two paths side by side for benchmarks
+MODES = {
+    "disaggregated": DISAGGREGATED,
+    "colocated": COLOCATED,
+    "both": DISAGGREGATED + tuple(m for m in COLOCATED if m not in DISAGGREGATED),
+    "prefill": PREFILL,
+}
+
+
+class ServerError(RuntimeError):
+    """tritonserver cannot be started as asked (a wrong setting), failed to start, or
+    did not become ready."""
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """What ``tandem serve`` puts into the model configs (see backends/triton/settings.py)."""
+
+    model_dir: str | None = None          # None: the demo checkpoint
+    dtype: str = ENGINE_DEFAULTS["dtype"]
+    page_size: int = ENGINE_DEFAULTS["page_size"]
+    num_pages: int = 0                    # 0: the engine sizes the pool
+    kv_layout: str = ENGINE_DEFAULTS["kv_layout"]
+    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
+    torch_threads: int = 0                # 0: all cores (disaggregated: half each for prefill, decode)
+    spec_method: str = NO_SPECULATION     # none | draft_target | mtp
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
+    mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
+    mode: str = "disaggregated"           # disaggregated | colocated | both | prefill (MODES)
+    prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        if self.mode not in MODES:
+            raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.prefill_endpoints:
+            from tandem.backends.triton.prefill_router import parse_endpoints
+            if "prefill" not in MODES[self.mode] or self.mode == "prefill":
+                raise ServerError(f"--prefill-endpoints is for a decode server (--mode "
+                                  f"disaggregated or both), not --mode {self.mode}")
+            try:
+                parse_endpoints(self.prefill_endpoints)
+            except ValueError as e:
+                raise ServerError(str(e).replace("prefill_endpoints", "--prefill-endpoints")) from None
+        return MODES[self.mode]
+
+    @property
+    def ensembles(self) -> tuple[str, ...]:
+        return tuple(m for m in self.models if m in ENSEMBLES)
+
+    def template_values(self) -> dict[str, str]:
+        values = {k: str(v) for k, v in asdict(self).items()}
+        if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
+            # prefill and decode run side by side: a half of the cores each, not all twice
+            values["torch_threads"] = str(max(1, (os.cpu_count() or 2) // 2))
+        values["model_dir"] = str(Path(self.model_dir).resolve())
+        for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
+            path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
+            values[key] = str(Path(path).resolve()) if path else ""
+        return values
+
+    def _uses(self, key: str) -> bool:
+        return (self.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
