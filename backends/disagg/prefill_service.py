@@ -107,6 +107,8 @@ class PrefillService(PrefillHooks):
                 log.exception("prefill step failed")
                 for rid in [r.request_id for r in (*self.engine.waiting, *self.engine.running)]:
                     self._abort(rid, "prefill failed (see the server log)")
+            for rid, why in self.engine.take_failed():   # one request's failure, alone
+                self._abort(rid, why)
 
     def _add(self, rid: str, desc, prompt_ids, on_done) -> None:
         try:

@@ -5,13 +5,16 @@ import logging
 import threading
 from typing import Callable
 
+from .config import EngineConfig
 from .inbox import Inbox
-from .llm_engine import EngineConfig, LLMEngine, RequestOutput
+from .isolation import describe
+from .llm_engine import LLMEngine, RequestOutput
 from .params import SamplingParams
 from .remote_prefill import KVTicket, PendingPrefills
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+FatalCallback = Callable[[BaseException], None]
 
 
 class AsyncEngine:
@@ -20,15 +23,21 @@ class AsyncEngine:
     ``submit`` validates in the caller's thread (raising ``ValueError`` with the field at
     fault) and only then hands the request to the loop; ``on_output`` is called on the
     engine thread for every delta, the last one with ``finished`` set.
+
+    The thread never dies silently: if the loop itself fails (not one request, which
+    ends alone), every open request ends with an UNAVAILABLE error, ``alive`` turns
+    False and ``on_fatal(exc)`` is called, so the server can report the model not ready.
     """
 
     def __init__(self, model_dir: str, kv_pool=None, allocator=None, proposer_kv_pool=None,
-                 **engine_args):
+                 on_fatal: FatalCallback | None = None, **engine_args):
         """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...);
         ``kv_pool``, ``allocator`` (and ``proposer_kv_pool`` with speculation) put the KV
         on an external (shared) pool."""
         self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator,
                                 proposer_kv_pool)
+        self.on_fatal = on_fatal
+        self.failure: BaseException | None = None   # why the loop stopped, if it failed
         self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
         self._callbacks: dict[str, OutputCallback] = {}
         self._inbox = Inbox()
@@ -47,8 +56,14 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (or has not started yet) and has not failed."""
+        return self.failure is None and (self._thread.is_alive() or self._thread.ident is None)
+
     def submit(self, prompt: str | list[int], params: SamplingParams,
                on_output: OutputCallback) -> str:
+        self._check_alive()
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
         self._inbox.post("add", seq, on_output)
@@ -59,10 +74,16 @@ class AsyncEngine:
         """Like :meth:`submit`, for a request whose prompt KV (all but the last token)
         another process computes: the request is admitted when ``ticket.poll()`` hands
         over the pages; until then it holds no slot and stalls no other sequence."""
+        self._check_alive()
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
         self._inbox.post("remote", (seq, ticket), on_output)
         return seq.request_id
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineStopped(f"the engine stopped ({describe(self.failure)}); the model "
+                                "is restarting, retry later")
 
     def abort(self, request_id: str) -> None:
         self._inbox.post("abort", request_id, None)
@@ -73,21 +94,19 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def _drain_inbox(self) -> list[tuple[OutputCallback, RequestOutput]]:
-        aborted = []
+        ended = []
         # with transfers pending, poll their counters gently
         items = self._inbox.take(self.engine.has_unfinished,
                                  self._pending.poll_s if self._pending else None)
         for kind, obj, cb in items:
-            if kind == "add":
-                self._callbacks[obj.request_id] = cb
-                self.engine.add(obj)
-            elif kind == "remote":
-                self._callbacks[obj[0].request_id] = cb
-                self._pending.add(*obj)
-            else:
-                out = self._pending.cancel(obj) or self.engine.abort(obj)
-                if out is not None:
-                    aborted.append((self._callbacks.pop(obj), out))
+            try:
+                ended += self._handle(kind, obj, cb)
+            except Exception as exc:   # one request's message: it alone fails
+                rid = obj if kind == "abort" else (obj[0] if kind == "remote" else obj).request_id
+                log.exception("request %s: %s failed", rid, kind)
+                cb = self._callbacks.pop(rid, cb)
+                if cb is not None:
+                    ended.append((cb, _failed(rid, f"the request could not be queued ({describe(exc)})")))
         for seq, pages in self._pending.ready():
             try:
                 self.engine.add_prefilled(seq, pages)
@@ -96,12 +115,38 @@ class AsyncEngine:
                 self.engine.allocator.free(pages)
                 out = RequestOutput(seq.request_id, [], "", True, "error", len(seq.prompt_ids), 0,
                                     "the transferred KV could not be admitted (see the server log)")
-                aborted.append((self._callbacks.pop(seq.request_id), out))
+                ended.append((self._callbacks.pop(seq.request_id), out))
         for out in self._pending.take_failed():
-            aborted.append((self._callbacks.pop(out.request_id), out))
-        return aborted
+            ended.append((self._callbacks.pop(out.request_id), out))
+        return ended
+
+    def _handle(self, kind: str, obj, cb) -> list[tuple[OutputCallback, RequestOutput]]:
+        if kind == "add":
+            self._callbacks[obj.request_id] = cb
+            self.engine.add(obj)
+        elif kind == "remote":
+            self._callbacks[obj[0].request_id] = cb
+            self._pending.add(*obj)
+        else:
+            out = self._pending.cancel(obj) or self.engine.abort(obj)
+            if out is not None:
+                return [(self._callbacks.pop(obj), out)]
+        return []
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:   # the loop itself, not one request: stop, loudly
+            self.failure = exc
+            log.critical("the engine thread stopped", exc_info=exc)
+            why = f"the engine stopped ({describe(exc)}); the model is restarting, retry later"
+            ended = [(cb, _failed(rid, why, "UNAVAILABLE")) for rid, cb in self._callbacks.items()]
+            self._callbacks.clear()
+            self._deliver(ended)
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _run(self) -> None:
         while True:
             deliveries = self._drain_inbox()
             if self._inbox.stopped:
@@ -111,18 +156,12 @@ class AsyncEngine:
                     deliveries.append((self._callbacks.pop(rid), self.engine.abort(rid)))
                 self._deliver(deliveries)
                 return
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                log.exception("engine step failed; aborting the running requests")
-                outputs = [self.engine.abort(rid) for rid in list(self.engine.seqs)]
-                for o in outputs:
-                    o.finish_reason, o.error = "error", "the engine step failed; request aborted"
-            for out in outputs:
-                cb = self._callbacks.pop(out.request_id) if out.finished \
-                    else self._callbacks[out.request_id]
-                deliveries.append((cb, out))
             self._deliver(deliveries)
+            # one request's failure ends that request inside step(); an exception out
+            # of it is the step itself (scheduling, pages): the loop stops (see _loop)
+            outputs = self.engine.step()
+            self._deliver([(self._callbacks.pop(out.request_id) if out.finished
+                            else self._callbacks[out.request_id], out) for out in outputs])
 
     @staticmethod
     def _deliver(deliveries) -> None:
@@ -131,3 +170,11 @@ class AsyncEngine:
                 cb(out)
             except Exception:
                 log.exception("output callback failed for %s", out.request_id)
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread failed; nothing more is accepted until the model restarts."""
+
+
+def _failed(request_id: str, error: str, code: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, "error", 0, 0, error, code)

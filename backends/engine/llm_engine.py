@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,12 +14,17 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .isolation import describe, isolate
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .proposers import StepHidden, load_proposer_model, make_proposer
 from .sampler import sample, verify_drafts
 from .scheduler import Scheduler
+from .scheduler import ScheduledSeq
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -31,6 +37,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None        # with "error": what went wrong, for the client
+    error_code: str | None = None   # with "error": UNAVAILABLE when a retry may succeed
 
 
 def check_pool_fits(pool: KVPagePool, cfg, dtype, config: EngineConfig) -> None:
@@ -190,58 +197,88 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batched forward. A request whose part of the step raises ends alone
+        (finish_reason "error", the cause named); the others go on."""
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
+        return isolate(plan.seqs, self._step, lambda s, exc: self._fail(s.seq, exc))
+
+    def _step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        # everything that may raise runs before the first commit (isolate retries it)
         if self.proposer is not None and all(
-                s.num_new_tokens == 1 and s.samples and self.proposer.ready(s.seq) for s in plan.seqs):
-            return self._speculative_step([s.seq for s in plan.seqs])
-        starts = [s.start for s in plan.seqs]
-        batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in plan.seqs], starts,
-                             [s.seq.pages for s in plan.seqs])
+                s.num_new_tokens == 1 and s.samples and self.proposer.ready(s.seq) for s in scheduled):
+            return self._speculative_step([s.seq for s in scheduled])
+        starts = [s.start for s in scheduled]
+        batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled], starts,
+                             [s.seq.pages for s in scheduled])
         inputs, hidden = self.runner.forward(batch)
-        rows = inputs.last_rows[[i for i, s in enumerate(plan.seqs) if s.samples]]
+        rows = inputs.last_rows[[i for i, s in enumerate(scheduled) if s.samples]]
         logits = self.runner.logits(hidden[rows])
-        sampling = [s.seq for s in plan.seqs if s.samples]
-        for s in plan.seqs:
-            s.seq.num_computed = s.end
+        sampling = [s.seq for s in scheduled if s.samples]
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        outputs = [self._append(seq, [tok]) for seq, tok in zip(sampling, tokens)]
+        for s in scheduled:
+            s.seq.num_computed = s.end
+        outputs = [self._commit(seq, [tok]) for seq, tok in zip(sampling, tokens)]
         if self.proposer is not None:
             # prefill and mixed steps decode plainly; the proposer then sees what the target saw
             ptr = inputs.qo_indptr.tolist()
             step_hidden: StepHidden = {s.seq.request_id: (starts[i], hidden[ptr[i]:ptr[i + 1]])
-                                       for i, s in enumerate(plan.seqs)}
-            self.proposer.catch_up([s.seq for s in plan.seqs if not s.seq.is_finished], step_hidden)
+                                       for i, s in enumerate(scheduled)}
+            live = [s.seq for s in scheduled if not s.seq.is_finished]
+            outputs += isolate(live, lambda seqs: self.proposer.catch_up(seqs, step_hidden) or [],
+                               self._fail)
         return outputs
 
     def _speculative_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Draft k tokens, verify k+1 positions in one target forward, keep the accepted
         prefix plus one target token, roll the rejected KV back."""
         k = self.num_speculative_tokens
-        drafts = self.proposer.propose(seqs, k)
-        starts = [s.num_computed for s in seqs]
-        batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
-                              for s, d in zip(seqs, drafts.tolist())], starts, [s.pages for s in seqs])
-        _, hidden = self.runner.forward(batch)
-        logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
-        verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
-                                           [s.generator for s in seqs])
+        before = [replace(s.draft) for s in seqs]
+        try:
+            drafts = self.proposer.propose(seqs, k)
+            starts = [s.num_computed for s in seqs]
+            batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
+                                  for s, d in zip(seqs, drafts.tolist())], starts,
+                                 [s.pages for s in seqs])
+            _, hidden = self.runner.forward(batch)
+            logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
+            verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
+                                               [s.generator for s in seqs])
+        except Exception:
+            for s, draft in zip(seqs, before):   # proposing advanced the drafts' caches
+                s.draft = draft
+            raise
         outputs, survivors = [], []
         for i, s in enumerate(seqs):
             self.spec_metrics.record(accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
-            outputs.append(self._append(s, verified[i, :accepted[i] + 1].tolist()))
+            outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist()))
             if not s.is_finished:
                 survivors.append(i)
-        if survivors:
-            live = [seqs[i] for i in survivors]
-            self.proposer.after_verify(live, verified[survivors],
-                                       hidden.view(len(seqs), k + 1, -1)[survivors],
-                                       [starts[i] for i in survivors])
+        hidden = hidden.view(len(seqs), k + 1, -1)
+
+        def after_verify(rows: list[int]) -> list[RequestOutput]:
+            live = [seqs[i] for i in rows]
+            self.proposer.after_verify(live, verified[rows], hidden[rows], [starts[i] for i in rows])
             for s in live:
                 self.scheduler.trim(s, max(s.num_tokens, s.draft.computed))
-        return outputs
+            return []
+
+        return outputs + isolate(survivors, after_verify, lambda i, exc: self._fail(seqs[i], exc))
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append a sequence's new tokens; if that raises, the sequence alone fails."""
+        try:
+            return self._append(seq, tokens)
+        except Exception as exc:
+            return self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        log.error("request %s failed in the engine step; the others go on", seq.request_id,
+                  exc_info=exc)
+        return self._finish(seq, "error", error=f"the request failed in the engine step "
+                                                f"({describe(exc)}); other requests were not affected")
 
     def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append new tokens, stopping exactly at the first stop condition."""
@@ -255,13 +292,15 @@ class LLMEngine:
                 return self._finish(seq, "length", tokens[:n])
         return self._output(seq, tokens, detok.take(final=False), None)
 
-    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = ()) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = (),
+                error: str | None = None) -> RequestOutput:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         del self.seqs[seq.request_id]
-        text = self.detoks.pop(seq.request_id).take(final=True)
-        return self._output(seq, list(new_ids), text, reason)
+        detok = self.detoks.pop(seq.request_id)
+        text = detok.take(final=True) if error is None else ""
+        return self._output(seq, list(new_ids), text, reason, error)
 
-    def _output(self, seq, new_ids, text, reason) -> RequestOutput:
+    def _output(self, seq, new_ids, text, reason, error=None) -> RequestOutput:
         return RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
-                             len(seq.prompt_ids), len(seq.output_ids))
+                             len(seq.prompt_ids), len(seq.output_ids), error)

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# below this temperature sampling is greedy (as vLLM's _SAMPLING_EPS): dividing logits by
+# a subnormal temperature overflows to inf and the distribution to NaN
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding settings (vLLM's names and defaults).
 
-    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature`` below ``SAMPLING_EPS`` (0 included) is greedy; ``top_k == 0`` and
+    ``top_p == 1`` disable those filters.
 
     >>> SamplingParams(max_tokens=32, temperature=0.0).validate()
     """
@@ -23,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
         def bad(name, value, allowed):

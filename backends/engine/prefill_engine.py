@@ -20,6 +20,7 @@ announces that forward to the hooks under the proposer's KV name.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,9 +30,11 @@ import torch
 from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
 from ..models import load_model
 from .config import EngineConfig
+from .isolation import describe, isolate
 from .model_runner import ForwardBatch, ModelRunner
 from .proposers import ProposerPrefill, load_proposer_model
 
+log = logging.getLogger(__name__)
 LayerCallback = Callable[[int], None]
 TARGET = "target"     # the target model's KV, as the hooks and a KV transfer name it
 
@@ -81,6 +84,7 @@ class PrefillEngine:
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []        # admission order, pages allocated
         self.finished: dict[str, PrefillRequest] = {}  # holding pages until released
+        self._failed: list[tuple[str, str]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, hooks: PrefillHooks | None = None) -> "PrefillEngine":
@@ -142,7 +146,8 @@ class PrefillEngine:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[PrefillRequest]:
         """Admit what fits, run one chunked-prefill forward; returns requests whose
-        prefill just finished (they keep their pages until :meth:`release`)."""
+        prefill just finished (they keep their pages until :meth:`release`). A request
+        whose part of the forward raises is dropped alone (see :meth:`take_failed`)."""
         self._admit()
         chunks, budget = [], self.max_num_batched_tokens
         for req in self.running:
@@ -153,6 +158,14 @@ class PrefillEngine:
             budget -= n
         if not chunks:
             return []
+        return [r for r in isolate(chunks, self._forward, self._fail) if r is not None]
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """``(request_id, why)`` of the requests dropped since the last call (pages freed)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _forward(self, chunks: list[tuple[PrefillRequest, int]]) -> list[PrefillRequest]:
         on_layer_done = self.hooks.before_forward(chunks)
         batch = ForwardBatch([r.token_ids[r.num_computed:end] for r, end in chunks],
                              [r.num_computed for r, _ in chunks], [r.pages for r, _ in chunks])
@@ -164,15 +177,25 @@ class PrefillEngine:
                               self.hooks.before_forward(chunks, self.proposer_name))
         last = inputs.last_rows.tolist()
         done = []
-        for i, (req, end) in enumerate(chunks):
+        for i, (req, end) in enumerate(chunks):   # nothing above changed a request's state
             req.num_computed = end
             if req.done:
                 req.hidden = hidden[last[i]].clone()
                 self.running.remove(req)
                 self.finished[req.request_id] = req
                 done.append(req)
-                self.hooks.on_prefilled(req)
+                try:
+                    self.hooks.on_prefilled(req)
+                except Exception as exc:
+                    self._fail((req, end), exc)
+                    done.pop()
         return done
+
+    def _fail(self, chunk: tuple[PrefillRequest, int], exc: Exception) -> None:
+        req = chunk[0]
+        log.error("prefill of %s failed; the others go on", req.request_id, exc_info=exc)
+        self.abort(req.request_id)
+        self._failed.append((req.request_id, f"the prefill failed ({describe(exc)})"))
 
     def _admit(self) -> None:
         # all pages up front, oldest first (FIFO: a large request is not starved)

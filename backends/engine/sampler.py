@@ -53,9 +53,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return tokens
     probs = request_probs(logits[rows, None], [params[i] for i in rows])[:, 0]
+    check_distributions(probs)
     for j, i in enumerate(rows):
         tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     return tokens
+
+
+def check_distributions(probs: torch.Tensor) -> None:
+    """NaN, inf or an all-zero row never reach ``multinomial`` (non-finite logits, e.g. a
+    numerically broken model output): the step raises, and the engine ends only the
+    request whose row it is."""
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten().tolist()
+        raise FloatingPointError(f"the sampling distribution of row(s) {bad} is not finite "
+                                 "(the model's logits hold NaN or inf)")
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -89,6 +101,7 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, params: list[Sampl
     if len(greedy) == b:
         return out, emitted.tolist()
     p = target_probs(logits, params)
+    check_distributions(p.flatten(0, 1))
     q = torch.nn.functional.one_hot(drafts, logits.shape[-1]).to(p.dtype)
     shared = [i for i, g in enumerate(generators) if g is None and not params[i].greedy]
     if shared:

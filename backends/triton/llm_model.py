@@ -22,8 +22,10 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -39,6 +41,8 @@ from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_DIED_EXIT = 70     # EX_SOFTWARE: the stub's exit status when its engine thread died
+EXIT_GRACE_S = 0.5
 
 
 def _log(level: str, message: str) -> None:
@@ -68,6 +72,7 @@ class TritonPythonModel:
         s = self.settings
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
         self.engine = self._make_engine(s)
+        self.engine.on_fatal = self._engine_failed
         if self.engine.tokenizer is None:
             raise pb_utils.TritonModelException(
                 f"model_dir {s.model_dir} has no tokenizer.json; model {name!r} detokenizes its output")
@@ -87,6 +92,15 @@ class TritonPythonModel:
         from tandem.backends.engine.async_engine import AsyncEngine
 
         return AsyncEngine(s.model_dir, **s.engine_kwargs())
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine thread stopped (its open streams already ended UNAVAILABLE): this
+        model can serve nothing more. Its stub exits, so ``tandem serve`` sees a dead
+        model, reports the server not ready and reloads it; a stub left running would
+        answer every request with an error while Triton reports it ready."""
+        _log("error", f"the engine stopped; exiting the stub so the model is reloaded: {exc!r}")
+        # a moment for the final responses to leave through the stub's IPC
+        threading.Timer(EXIT_GRACE_S, os._exit, (ENGINE_DIED_EXIT,)).start()
 
     def _poll_metrics(self) -> None:
         """Engine counters and KV pages (the decode model adds the shared pool)."""
@@ -139,11 +153,16 @@ class TritonPythonModel:
         try:
             rid = self._submit(request, parsed, on_output)
         except Exception as exc:
+            from tandem.backends.engine.async_engine import EngineStopped
+
             in_flight.discard(key)
             metrics.not_submitted()
             if isinstance(exc, ValueError):  # the engine's own validation (KV pool too small, ...)
                 stream.fail(str(exc))
                 metrics.finish("rejected")
+            elif isinstance(exc, EngineStopped):
+                stream.fail(f"unavailable: {exc}", code="UNAVAILABLE")
+                metrics.finish("error")
             else:
                 _log("error", f"submit failed: {traceback.format_exc()}")
                 stream.fail(f"internal error: {exc}", code="INTERNAL")

@@ -68,7 +68,9 @@ class ResponseStream:
             if out.finished and out.finish_reason == "error":
                 # e.g. the prompt's KV never arrived (the reason names why)
                 what = getattr(out, "error", None) or "the engine step failed; request aborted"
-                self._end(Reply(error=f"internal error: {what}", code="INTERNAL", final=True))
+                code = getattr(out, "error_code", None) or "INTERNAL"
+                prefix = "unavailable" if code == "UNAVAILABLE" else "internal error"
+                self._end(Reply(error=f"{prefix}: {what}", code=code, final=True))
                 return
             if self.request.stream:
                 ids, text = out.new_token_ids, out.new_text
