@@ -233,7 +233,7 @@ def test_the_server_is_healthy_after_bad_input(server, reference):
         assert _stream(server, DISAGG, PROMPTS[0])[0] == reference(PROMPTS[0]).text
 
 
-def _batch(server, requests: list[tuple[str, dict]]) -> list[str]:
+def _batch(server, requests: list[tuple[str, dict]], model: str = DISAGG) -> list[str]:
     """Send every request at once on one gRPC stream; the texts, by request."""
     import tritonclient.grpc as grpcclient
 
@@ -241,7 +241,7 @@ def _batch(server, requests: list[tuple[str, dict]]) -> list[str]:
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     for i, (prompt, params) in enumerate(requests):
-        client.async_stream_infer(DISAGG, build_inputs(prompt, **params), request_id=str(i),
+        client.async_stream_infer(model, build_inputs(prompt, **params), request_id=str(i),
                                   enable_empty_final_response=True)
     texts, done = [""] * len(requests), set()
     while len(done) < len(requests):
@@ -280,6 +280,17 @@ def test_a_second_concurrent_run_reproduces_the_first(server, reference, first_b
     second = _batch(server, CONCURRENT)
     assert second[0::2] == [reference(p, 8).text for p, _ in GREEDY]
     assert second[1::2] == first_batch[1::2]      # seeded: reproducible
+
+
+@pytest.mark.parametrize("model", [DISAGG, COLOCATED])
+def test_a_subnormal_temperature_beside_greedy_streams_breaks_nothing(server, reference, model):
+    """temperature 1e-45 is positive and finite (validation accepts it); dividing logits
+    by it overflows: it samples greedily, and 4 greedy streams beside it keep their text."""
+    greedy = [(f"def g{i}(y):\n    return y - {i}", dict(max_tokens=8, temperature=0.0)) for i in range(4)]
+    tiny = ("def h(z):\n    return", dict(max_tokens=8, temperature=1e-45))
+    texts = _batch(server, [*greedy[:2], tiny, *greedy[2:]], model)
+    assert texts[:2] + texts[3:] == [reference(p, 8).text for p, _ in greedy]
+    assert texts[2] == reference(tiny[0], 8).text
 
 
 def test_zz_stop_removes_processes_and_the_shared_pool(server):
