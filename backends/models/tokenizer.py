@@ -18,6 +18,12 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
         raise ValueError(f"{path}: cannot load tokenizer ({e})") from e
 
 
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """An upper bound on the bytes of text one token covers (4 per character of its
+    longest vocabulary entry), so a text can be known too long before it is tokenized."""
+    return 4 * max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     """EOS ids from ``generation_config.json`` (what HF ``generate`` stops on), if present."""
     path = Path(model_dir) / "generation_config.json"

@@ -26,7 +26,8 @@ temperature                 FP32    1.0          >= 0; 0 = greedy
 top_p                       FP32    1.0          (0, 1]; 1 = no nucleus filter
 top_k                       INT32   0            >= 0; 0 = no top-k filter
 seed                        UINT64  (random)     any (``random_seed`` is accepted too)
-stop_words                  STRING  none         non-empty strings; text stops before them
+stop_words                  STRING  none         up to 16 strings of up to 256 characters;
+                                                 text stops before them
 end_id                      INT32   model's EOS  a token id; replaces the EOS token
 exclude_input_in_output     BOOL    false        text form only: false makes the
                                                  non-streaming text start with the
@@ -66,6 +67,9 @@ OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_
 TOKEN_OUTPUT_NAMES = ("output_ids", *OUTPUT_NAMES)
 
 GetInput = Callable[[str], "np.ndarray | None"]
+# each generated token is checked against every stop word on the engine thread
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_CHARS = 256
 
 
 class RequestError(ValueError):
@@ -162,10 +166,18 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
     stop_words: list[str] = []
     words = get("stop_words")
     if words is not None:
-        for w in np.asarray(words).reshape(-1):
+        words = np.asarray(words).reshape(-1)
+        if words.size > 4 * MAX_STOP_WORDS:   # before decoding anything (padding aside)
+            raise RequestError("stop_words", f"has {words.size} entries; allowed: up to {MAX_STOP_WORDS}")
+        for w in words:
             text = as_text(w, "stop_words")
+            if len(text) > MAX_STOP_WORD_CHARS:
+                raise RequestError("stop_words", f"a stop word has {len(text)} characters; allowed: up to "
+                                                 f"{MAX_STOP_WORD_CHARS}")
             if text:  # TensorRT-LLM pads ragged lists with empty strings
                 stop_words.append(text)
+        if len(stop_words) > MAX_STOP_WORDS:
+            raise RequestError("stop_words", f"has {len(stop_words)} words; allowed: up to {MAX_STOP_WORDS}")
 
     end_id = _int(get, "end_id", None, 0, "a token id >= 0")
     if end_id is not None and vocab_size is not None and end_id >= vocab_size:
@@ -204,13 +216,13 @@ def parse_token_request(get: GetInput, vocab_size: int, max_model_len: int) -> G
 
     Raises :class:`RequestError` naming the first bad field.
     """
-    ids = _token_ids(get, vocab_size)
+    ids = _token_ids(get, vocab_size, max_model_len)
     sampling = _sampling(get, vocab_size)
     check_context(len(ids), sampling["max_tokens"], max_model_len, "input_ids")
     return GenerateRequest(prompt=ids, **sampling)
 
 
-def _token_ids(get: GetInput, vocab_size: int) -> list[int]:
+def _token_ids(get: GetInput, vocab_size: int, max_model_len: int) -> list[int]:
     arr = get("input_ids")
     if arr is None:
         raise RequestError("input_ids", "is required (a non-empty list of token ids)")
@@ -219,6 +231,7 @@ def _token_ids(get: GetInput, vocab_size: int) -> list[int]:
         raise RequestError("input_ids", f"has type {arr.dtype}; allowed: INT32 token ids")
     if arr.ndim > 2 or (arr.ndim == 2 and arr.shape[0] != 1):
         raise RequestError("input_ids", f"expected one sequence of shape [1, n], got shape {list(arr.shape)}")
+    check_context(arr.size, 1, max_model_len, "input_ids")   # before converting a huge array
     ids = arr.reshape(-1).astype(np.int64)
     if ids.size == 0:
         raise RequestError("input_ids", "is empty; allowed: a non-empty list of token ids")
@@ -227,6 +240,15 @@ def _token_ids(get: GetInput, vocab_size: int) -> list[int]:
         raise RequestError("input_ids", f"token id {int(bad[0])} is not in the vocabulary; "
                                         f"allowed: ids in [0, {vocab_size - 1}]")
     return ids.tolist()
+
+
+def check_text_length(text: str, max_model_len: int, max_token_bytes: int) -> None:
+    """Refuse, without tokenizing it, a text that must be longer than the context: a
+    token covers at most ``max_token_bytes`` bytes of text."""
+    num_bytes = len(text.encode("utf-8"))
+    if num_bytes > max_model_len * max_token_bytes:
+        raise RequestError("text_input", f"has {num_bytes} bytes, more than {max_model_len} tokens of "
+                                         f"this model can hold; the context is {max_model_len} tokens")
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str) -> None:
