@@ -78,9 +78,10 @@ class TritonPythonModel:
                 f"model_dir {s.model_dir} has no tokenizer.json; model {name!r} detokenizes its output")
         self.engine.start()
         self.in_flight = InFlight(self.engine, s.cancel_poll_ms / 1000.0)
-        # keyed by instance and version: a new version loads while the old one drains
+        # keyed by instance, version and process: a new version, or the same one
+        # reloaded, loads while the old one drains
         instance = args.get("model_instance_name", f"{name}_0")
-        self.cancel_listener = CancelListener(f"{instance}.{version}",
+        self.cancel_listener = CancelListener(f"{instance}.{version}.{os.getpid()}",
                                               lambda key: self.in_flight.cancel(key, notify=False))
         self.metrics = EngineMetrics(name, version)
         self.metrics_poller = Poller(self._poll_metrics)

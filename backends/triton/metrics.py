@@ -1,5 +1,9 @@
 """Tandem's custom metrics on Triton's metrics port, through the Python backend's
-``MetricFamily`` API (every family carries the labels ``model`` and ``version``).
+``MetricFamily`` API. Every metric carries the labels ``model``, ``version`` and
+``incarnation`` (the stub's pid): while a model reloads, its old and new instance both
+live, and Triton hands two instances with equal labels the *same* metric object,
+counted per instance — the old one's ``finalize`` then frees what the new one still
+writes (a corrupted server heap: glibc aborts the server). Sum over ``incarnation``.
 
 Engine models (``llm``, ``decode``):
 
@@ -31,6 +35,7 @@ once made the server read a freed message (SIGSEGV in ``triton::core::Metric``).
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -43,7 +48,6 @@ ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 PAGE_STATES = ("free", "reserved", "in_use")
-
 
 
 def _kind(name: str):
@@ -83,7 +87,8 @@ class _Registry:
     stub can still talk to the server."""
 
     def __init__(self, model: str, version: str):
-        self.labels = {"model": model, "version": version}
+        # not "instance": Prometheus sets its own at scrape time
+        self.labels = {"model": model, "version": version, "incarnation": str(os.getpid())}
         self._families: dict[str, object] = {}
         self._metrics: dict[tuple, _Locked] = {}
         self._lock = threading.Lock()

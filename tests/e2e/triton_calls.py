@@ -56,10 +56,15 @@ def sse_events(body: str) -> list[dict]:
 
 
 def metric(server, name: str, model: str, **labels) -> float:
+    """The metric's value summed over the series that carry these labels (every
+    incarnation of the model: a reloaded model's old and new stubs label apart)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     want = {"model": model, "version": "1", **labels}
+    total = 0.0
     for line in text.splitlines():
         m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if m and dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) == want:
-            return float(m.group(2))
-    return 0.0
+        if m:
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if {k: have.get(k) for k in want} == want and set(have) - set(want) <= {"incarnation"}:
+                total += float(m.group(2))
+    return total
