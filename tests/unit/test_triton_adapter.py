@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import types
@@ -122,7 +123,8 @@ class MetricFamily:
 
 
 def metric(name, **labels):
-    labels = {"model": "llm", "version": "1", **labels}
+    """The value of this process's series (every metric carries its incarnation: the pid)."""
+    labels = {"model": "llm", "version": "1", "incarnation": str(os.getpid()), **labels}
     return MetricFamily.values.get((name, tuple(sorted(labels.items()))), 0)
 
 
