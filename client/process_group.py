@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +24,8 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_parent(cpus: tuple[int, ...] | None = None) -> None:
     """In the child: its own process group, SIGTERM when the parent dies (Linux), and
-    the CPUs it (and every process it starts) may run on."""
+    the CPUs it (and every process it starts) may run on. "The parent" is the thread
+    that started the child: start it from one that lives as long as it should."""
     os.setsid()
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -57,3 +59,12 @@ def killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def kill_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process left in the group until none is (at most ``timeout_s``):
+    stubs notice their parent's death only after a health-check period."""
+    deadline = time.monotonic() + timeout_s
+    while pids_in_group(pgid) and time.monotonic() < deadline:
+        killpg(pgid, signal.SIGKILL)
+        time.sleep(0.05)

@@ -59,8 +59,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
                         "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them; "
                         "prefill: a prefill server for decode servers started with --prefill-endpoints")
-    p.add_argument("--model-control-mode", choices=("none", "explicit"), default="none",
-                   help="explicit: open Triton's repository API (load/unload models, roll versions)")
+    p.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
+                   help="explicit (default): every model loaded at start, Triton's repository API open "
+                        "(load/unload models, roll versions; the supervisor reloads a dead model through "
+                        "it); none: a fixed repository (the supervisor can only restart the server)")
+    p.add_argument("--no-supervise", dest="supervise", action="store_false",
+                   help="do not watch the model processes: a dead stub stays dead (debugging)")
+    p.add_argument("--faults", default=defaults.faults, metavar="SPEC",
+                   help="fault injection for tests and benchmarks, passed to the models (config "
+                        "parameter `faults`, env TANDEM_FAULTS), e.g. 'transfer_fail=0.05@mid_layers,"
+                        "seed=1'; format: rdma/faults.py (default: off)")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
@@ -80,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, torch_threads=args.threads,
         spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
-        prefill_endpoints=args.prefill_endpoints,
+        prefill_endpoints=args.prefill_endpoints, faults=args.faults,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,
                           log_verbose=args.log_verbose, ready_timeout_s=args.ready_timeout,
-                          model_control_mode=args.model_control_mode)
+                          model_control_mode=args.model_control_mode, supervise=args.supervise)
     stop = threading.Event()
     phase = ["starting"]
 
@@ -95,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         stop.set()  # serving: leave the wait loop; while stopping: already on the way out
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    _log_to_stderr()
     try:
         server.start()
         phase[0] = "serving"
@@ -107,10 +116,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"  HTTP     http://{server.http_url}   (model prefill: decode servers' jobs)")
         print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
+        if server.supervise:
+            print("  supervised: a dead model is reloaded, a dead server restarted")
         print("Ctrl-C to stop.", flush=True)
         while not stop.is_set():
-            if server.process is None or server.process.poll() is not None:
-                print("tandem: tritonserver exited unexpectedly", file=sys.stderr)
+            if server.failure():
+                print(f"tandem: {server.failure()}", file=sys.stderr)
                 return 1
             stop.wait(0.5)
         print("tandem: shutting down", flush=True)
@@ -126,3 +137,16 @@ def run(args: argparse.Namespace) -> int:
         server.cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _log_to_stderr() -> None:
+    """The supervisor's reports (a dead stub, a reload, its duration) as ``tandem: ...`` lines."""
+    import logging
+
+    logger = logging.getLogger("tandem.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tandem: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

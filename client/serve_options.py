@@ -62,6 +62,7 @@ class ServeOptions:
     mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
     mode: str = "disaggregated"           # disaggregated | colocated | both | prefill (MODES)
     prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
+    faults: str = ""                      # fault injection (tests, benchmarks; format: tandem.rdma.faults); "" = off
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -83,6 +84,8 @@ class ServeOptions:
         return tuple(m for m in self.models if m in ENSEMBLES)
 
     def template_values(self) -> dict[str, str]:
+        if any(c in self.faults for c in '"\\\n'):
+            raise ServerError(f"--faults {self.faults!r}: quotes, backslashes and line breaks are not allowed")
         values = {k: str(v) for k, v in asdict(self).items()}
         if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
             # prefill and decode run side by side: a half of the cores each, not all twice

@@ -2,52 +2,58 @@
 (``tandem serve``), the e2e tests and the benchmarks share it.
 
 :class:`TritonServer` renders the repository into a run directory, starts
-tritonserver on it, waits until the server and its models are ready, and stops it
-so that no process is left behind:
+tritonserver on it, waits until the server and its models are ready, supervises it
+(:mod:`.supervisor`: a dead stub's model is reloaded, a dead server restarted), and
+stops it so that no process and no shared-memory segment is left behind:
 
 >>> with TritonServer(ServeOptions(model_dir="ckpt"), run_dir=tmp) as server:  # doctest: +SKIP
 ...     print(server.grpc_url)
+...     pid = server.kill_stub("prefill")              # what the supervisor must survive
+...     server.wait_model_ready("tandem", timeout_s=60)
 127.0.0.1:41523
+2.4
+>>> server.supervisor.status().reload_seconds          # doctest: +SKIP
+[2.3]
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .process_group import die_with_parent, killpg, live_processes, pids_in_group
+from .process_group import die_with_parent, kill_group, killpg
 from .repository import render_repository
 from .serve_options import ServeOptions, ServerError
-from .triton_env import STUB_NAME, find_triton, prepare_backend_dir, server_env
+from .stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
+from .supervisor import Supervisor
+from .triton_env import find_triton, prepare_backend_dir, server_env
+from .triton_http import TritonHTTP, http_ok
+
+log = logging.getLogger("tandem.serve")
+SHM_DIR = Path("/dev/shm")
+FAULTS_ENV = "TANDEM_FAULTS"
+# what this class names in /dev/shm: the stubs' regions (prefix per launch, keyed by the
+# launching process's pid) and the decode KV pool (keyed by tritonserver's pid:
+# tandem.backends.disagg.server_pool_name)
+_STUB_REGION = re.compile(r"tandem_(\d+)_[0-9a-f]{8}_")
+_POOL_FILE = re.compile(r"tandem-kv-(\d+)-")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def stub_processes(run_dir: Path | None = None) -> list[int]:
-    """Pids of live Python backend stubs (optionally only those started from ``run_dir``)."""
-    pids = []
-    for pid, _, entry in live_processes():
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if cmd.endswith(STUB_NAME) and (run_dir is None or cmd.startswith(str(run_dir))):
-            pids.append(pid)
-    return pids
 
 
 @dataclass(slots=True)
@@ -69,14 +75,20 @@ class TritonServer:
     ready_timeout_s: float = 300.0
     cpus: tuple[int, ...] | None = None   # pin the server and its models (benchmarks)
     # "explicit": every model is loaded at start and the repository API (load / unload,
-    # e.g. to roll a new version) is open; "none": the repository is fixed
-    model_control_mode: str = "none"
+    # e.g. to roll a new version, or the supervisor's reloads) is open; "none": the
+    # repository is fixed (the supervisor can then only restart the server)
+    model_control_mode: str = "explicit"
+    supervise: bool = True                # watch the stubs and the server; recover (supervisor.py)
     exit_timeout_s: int = 10
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
     _log_handle: object = field(default=None, init=False, repr=False)
-    _shm_prefix: str = field(default="", init=False, repr=False)
+    _launch_args: tuple = field(default=(), init=False, repr=False)
+    _shm_prefixes: list = field(default_factory=list, init=False, repr=False)
     _server_pids: list = field(default_factory=list, init=False, repr=False)
+    # held while the process is swapped (the supervisor's restart) or stopped
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     # ---- endpoints -------------------------------------------------------
     @property
@@ -90,6 +102,10 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def http(self) -> TritonHTTP:
+        return TritonHTTP(self.http_url)
 
     # ---- lifecycle -------------------------------------------------------
     def __enter__(self) -> "TritonServer":
@@ -106,103 +122,162 @@ class TritonServer:
             self.options.model_dir = str(default_model_dir())
         if not (Path(self.options.model_dir) / "config.json").is_file():
             raise ServerError(f"--model: {self.options.model_dir} has no config.json (a Hugging Face checkpoint dir)")
+        if self.model_control_mode not in ("none", "explicit"):
+            raise ServerError(f"model_control_mode={self.model_control_mode!r}; allowed: none, explicit")
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
             self._owns_run_dir = True
         self.run_dir = Path(self.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        remove_orphan_segments()
 
         layout = find_triton()
         backend_dir = prepare_backend_dir(layout, self.run_dir)
         repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
                                  models=self.options.models)
+        self._launch_args = (layout, backend_dir, repo)
         pick = [name for name in ("http_port", "grpc_port", "metrics_port") if not getattr(self, name)]
         for attempt in range(3):
             for name in pick:
                 setattr(self, name, free_port(self.host))
-            self._launch(layout, backend_dir, repo)
+            self._launch()
             try:
                 self.wait_ready()
-                return self
+                break
             except ServerError as exc:
                 in_use = "already in use" in self.log_tail()
                 self.stop()
                 if not (in_use and pick and attempt < 2):
                     raise exc
-        return self  # unreachable
+        if self.supervise:
+            self.supervisor = Supervisor(self).start()
+        return self
 
-    def _launch(self, layout, backend_dir: Path, repo: Path) -> None:
+    def _launch(self) -> None:
+        layout, backend_dir, repo = self._launch_args
         # A prefix per launch names the stubs' shared-memory regions, so stop()
-        # can remove the ones a killed stub leaves in /dev/shm.
-        self._shm_prefix = f"tandem_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        # can remove the ones a killed stub (or a killed server) leaves in /dev/shm.
+        prefix = f"tandem_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self._shm_prefixes.append(prefix)
         cmd = [
             str(layout.server_bin),
             f"--model-repository={repo}",
             f"--backend-directory={backend_dir}",
-            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            f"--backend-config=python,shm-region-prefix-name={prefix}",
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false",
             "--disable-auto-complete-config",
             f"--model-control-mode={self.model_control_mode}",
+            "--strict-readiness=true",   # ready only while every model is (supervisor.py relies on it)
             *(["--load-model=*"] if self.model_control_mode == "explicit" else []),
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
         ]
         if self.log_file is not None:
-            self._log_handle = open(self.log_file, "ab")
+            if self._log_handle is None:
+                self._log_handle = open(self.log_file, "ab")
             out = err = self._log_handle
         else:
             out, err = None, None
+        env = server_env(layout)
+        # fault injection (tests, benchmarks): the models read it here or from their
+        # config's "faults" parameter; never inherited from the caller's shell
+        env.pop(FAULTS_ENV, None)
+        if self.options.faults:
+            env[FAULTS_ENV] = self.options.faults
         self.process = subprocess.Popen(
-            cmd, env=server_env(layout), cwd=self.run_dir, stdin=subprocess.DEVNULL,
+            cmd, env=env, cwd=self.run_dir, stdin=subprocess.DEVNULL,
             stdout=out, stderr=err, preexec_fn=functools.partial(die_with_parent, self.cpus),
         )
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
+    def wait_ready(self, timeout_s: float | None = None, abort: threading.Event | None = None) -> None:
         """Block until ``/v2/health/ready`` and every model's ready endpoint answer 200."""
-        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        limit = timeout_s or self.ready_timeout_s
+        deadline = time.monotonic() + limit
         urls = [f"http://{self.http_url}/v2/health/ready",
                 *(f"http://{self.http_url}/v2/models/{m}/ready" for m in self.options.models)]
         while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
+            if abort is not None and abort.is_set():
+                raise ServerError("stopped while waiting for readiness")
+            proc = self.process
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
                 raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_hint()}")
-            if all(_http_ok(u) for u in urls):
+            if all(http_ok(u) for u in urls):
                 return
             time.sleep(0.2)
-        raise ServerError(f"tritonserver not ready within {timeout_s or self.ready_timeout_s:.0f} s{self._log_hint()}")
+        raise ServerError(f"tritonserver not ready within {limit:.0f} s{self._log_hint()}")
 
     def is_ready(self) -> bool:
-        return self.process is not None and self.process.poll() is None and _http_ok(
-            f"http://{self.http_url}/v2/health/ready")
+        return self.process is not None and self.process.poll() is None and self.http.server_ready()
+
+    def failure(self) -> str:
+        """Why this server can serve no more ("" while it can, or is being recovered)."""
+        if self.supervisor is not None:
+            return self.supervisor.status().failed
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return f"tritonserver exited with code {None if proc is None else proc.returncode}"
+        return ""
+
+    def relaunch(self, abort: threading.Event | None = None) -> None:
+        """Kill tritonserver and its stubs at once and start it again on the same ports
+        (the supervisor's restart). Its open streams end with UNAVAILABLE."""
+        for attempt in range(3):
+            with self._lock:
+                if abort is not None and abort.is_set():
+                    raise ServerError("stopping")
+                self._kill_now()
+                self._cleanup_shm()
+                self._launch()
+            try:
+                self.wait_ready(abort=abort)
+                return
+            except ServerError as exc:
+                if attempt == 2 or (abort is not None and abort.is_set()):
+                    raise
+                # e.g. a port the killed server held is not free yet
+                log.warning("restarting tritonserver failed (%s); trying again", str(exc).splitlines()[0])
+                time.sleep(1.0)
+
+    def _kill_now(self) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        pgid = proc.pid
+        killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        kill_group(pgid)
+        self.process = None
+        self._server_pids.append(pgid)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """SIGTERM (graceful: models finalize), then SIGKILL the whole process group.
 
-        Returns only when no process of the group (tritonserver and its
-        Python backend stubs) is alive.
+        Returns only when no process of the group (tritonserver and its Python backend
+        stubs) is alive, and every shared-memory segment of this server is removed.
         """
-        proc = self.process
-        if proc is not None:
-            pgid = proc.pid  # the child called setsid(): its pid is its group id
-            grace = timeout_s if timeout_s is not None else self.exit_timeout_s + 5
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    killpg(pgid, signal.SIGKILL)
-                    proc.wait()
-            # Stubs notice their parent's death only after a health-check
-            # period; do not wait for them.
-            deadline = time.monotonic() + 5
-            while pids_in_group(pgid) and time.monotonic() < deadline:
-                killpg(pgid, signal.SIGKILL)
-                time.sleep(0.05)
-            self.process = None
-            self._server_pids.append(pgid)
+        if self.supervisor is not None:
+            self.supervisor.request_stop()
+        with self._lock:
+            proc = self.process
+            if proc is not None:
+                pgid = proc.pid  # the child called setsid(): its pid is its group id
+                grace = timeout_s if timeout_s is not None else self.exit_timeout_s + 5
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=grace)
+                    except subprocess.TimeoutExpired:
+                        killpg(pgid, signal.SIGKILL)
+                        proc.wait()
+                kill_group(pgid)
+                self.process = None
+                self._server_pids.append(pgid)
+        if self.supervisor is not None:
+            self.supervisor.join(timeout_s=30)
         self._cleanup_shm()
         if self._log_handle is not None:
             self._log_handle.close()
@@ -214,20 +289,75 @@ class TritonServer:
         if self._owns_run_dir and self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    # ---- faults, for tests and benchmarks ---------------------------------
+    def stubs(self) -> list[Stub]:
+        """The live stubs of this server."""
+        proc = self.process
+        return [] if proc is None else find_stubs(proc.pid)
+
+    def kill_stub(self, model: str) -> int:
+        """SIGKILL the stub process of ``model`` (what a crash or the OOM killer does);
+        returns its pid once it is dead and, when supervised, once the supervisor has
+        seen it (so :meth:`wait_model_ready` afterwards waits for the recovery)."""
+        stubs = [s for s in self.stubs() if s.model == model]
+        if not stubs:
+            have = sorted({s.model for s in self.stubs()})
+            raise ServerError(f"no live stub of model {model!r}; stubs run for: {', '.join(have) or 'none'}")
+        stub = stubs[0]
+        if self.supervisor is not None:
+            self.supervisor.watch(stub)
+        os.kill(stub.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            state = proc_state(stub.pid)
+            if state is None or state.state == "Z":
+                break
+            time.sleep(0.01)
+        if self.supervisor is not None:
+            self.supervisor.wait_noticed(stub.pid)
+        return stub.pid
+
+    def wait_model_ready(self, model: str, timeout_s: float = 120.0) -> float:
+        """Seconds until ``model`` and the server answer ready (and no recovery is under
+        way); raises ServerError when that takes longer than ``timeout_s``."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.failure():
+                raise ServerError(self.failure())
+            busy = self.supervisor is not None and self.supervisor.status().recovering
+            if not busy and self.is_ready() and self.http.model_ready(model):
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise ServerError(f"model {model!r} not ready within {timeout_s:.0f} s{self._log_hint()}")
+
+    # ---- /dev/shm ------------------------------------------------------------
+    def remove_shm_region(self, name: str) -> None:
+        """Remove a dead stub's region (only one this server's launches named)."""
+        if any(name.startswith(p) for p in self._shm_prefixes) and "/" not in name:
+            _unlink(SHM_DIR / name)
+
+    def owned_segments(self) -> list[str]:
+        """What in ``/dev/shm`` belongs to this server's launches, live or gone (empty
+        after :meth:`stop`)."""
+        if not SHM_DIR.is_dir():
+            return []
+        pids = {*self._server_pids, *([self.process.pid] if self.process is not None else [])}
+        return sorted(e.name for e in SHM_DIR.iterdir()
+                      if any(e.name.startswith(p) for p in self._shm_prefixes)
+                      or ((m := _POOL_FILE.match(e.name)) and int(m.group(1)) in pids))
+
     def _cleanup_shm(self) -> None:
-        if not self._shm_prefix:
+        """The regions of every launch whose server is gone, and their KV pool files."""
+        if not SHM_DIR.is_dir():
             return
-        shm = Path("/dev/shm")
-        if shm.is_dir():
-            # the stubs' regions, and the KV pool a killed kv_transfer/decode left
-            # (named after the server's pid: tandem.backends.disagg.server_pool_name)
-            regions = [*shm.glob(f"{self._shm_prefix}*"),
-                       *(r for pid in self._server_pids for r in shm.glob(f"tandem-kv-{pid}-*"))]
-            for region in regions:
-                try:
-                    region.unlink()
-                except OSError:
-                    pass
+        live = self.process.pid if self.process is not None else None
+        prefixes = self._shm_prefixes if live is None else self._shm_prefixes[:-1]
+        for entry in SHM_DIR.iterdir():
+            name = entry.name
+            pool = _POOL_FILE.match(name)
+            if any(name.startswith(p) for p in prefixes) or (
+                    pool and int(pool.group(1)) in self._server_pids and int(pool.group(1)) != live):
+                _unlink(entry)
 
     def log_tail(self, n: int = 40) -> str:
         if self.log_file is None or not Path(self.log_file).exists():
@@ -240,9 +370,33 @@ class TritonServer:
         return f"; last log lines ({self.log_file}):\n{tail}" if tail else ""
 
 
-def _http_ok(url: str) -> bool:
+def remove_orphan_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove what servers started by a process that is gone left in ``/dev/shm`` (a
+    ``tandem serve`` killed with SIGKILL never ran its cleanup): stub regions named
+    after a dead launcher, KV pool files named after a dead tritonserver."""
+    removed = []
+    if not shm_dir.is_dir():
+        return removed
+    for entry in shm_dir.iterdir():
+        m = _STUB_REGION.match(entry.name) or _POOL_FILE.match(entry.name)
+        if m and not _alive(int(m.group(1))):
+            _unlink(entry)
+            removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

@@ -10,6 +10,7 @@ expects.
   processes), :mod:`.reservations` (slots, leases, counters)
 - :mod:`.receiver` — kv_transfer's side; :mod:`.sender` — prefill's messenger, one
   :mod:`.transfer` per request
+- :mod:`.faults` — fault injection for tests and benchmarks (``TANDEM_FAULTS``)
 
 A leaf package: it never imports the engine (which adapts its own page pools and
 allocator to :class:`SourcePool`, :class:`SharedKVPool` and
@@ -17,8 +18,9 @@ allocator to :class:`SourcePool`, :class:`SharedKVPool` and
 to it.
 """
 from .descriptor import DestinationDescriptor
-from .errors import (PeerUnreachable, PoolError, PoolExhausted, ReservationGone, TransferError,
-                     TransferTimeout)
+from .errors import (PeerUnreachable, PoolError, PoolExhausted, ReservationGone,
+                     TransferCancelled, TransferError, TransferTimeout)
+from .faults import Faults
 from .plan import ModelSpec, ShardScheme, TransferPlan, ops_per_page, plan_transfer
 from .receiver import KVReceiver, ReceiverConfig, TransferTrace
 from .sender import ForwardStep, KVSender, SenderConfig, SourcePool
@@ -30,5 +32,6 @@ __all__ = [
     "plan_transfer", "KVReceiver", "ReceiverConfig", "TransferTrace", "KVSender",
     "SenderConfig", "SourcePool", "Transfer", "ForwardStep", "PoolSpec", "PoolStats",
     "SharedKVPool", "SharedPageAllocator", "SlotStatus", "ReservationGone",
-    "TransferError", "PeerUnreachable", "TransferTimeout", "PoolError", "PoolExhausted",
+    "TransferError", "PeerUnreachable", "TransferTimeout", "TransferCancelled", "PoolError",
+    "PoolExhausted", "Faults",
 ]

@@ -14,6 +14,11 @@ class TransferTimeout(TransferError):
     """The other side stopped taking part in a transfer for longer than the timeout."""
 
 
+class TransferCancelled(TransferError):
+    """The receiver refused or ended the transfer (the request was cancelled, its
+    reservation timed out or is gone, or the descriptor did not prove its secret)."""
+
+
 class PoolError(RuntimeError):
     """The shared decode pool refused an operation."""
 

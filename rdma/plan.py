@@ -162,6 +162,25 @@ def page_pieces(kv_layout: str, src_heads: tuple[int, int], dst_heads: tuple[int
     >>> len(page_pieces("NHD", (0, 8), (0, 4), (0, 4), 16, 128, 2))
     32
     """
+    return _box_pieces(_page_box(kv_layout, src_heads, dst_heads, heads, page_size, head_dim),
+                       itemsize)
+
+
+def num_page_pieces(kv_layout: str, src_heads: tuple[int, int], dst_heads: tuple[int, int],
+                    heads: tuple[int, int], page_size: int, head_dim: int) -> int:
+    """``len(page_pieces(...))`` without building them (O(1): for cost checks).
+
+    >>> num_page_pieces("NHD", (0, 8), (0, 4), (0, 4), 1 << 16, 128)
+    131072
+    """
+    dims = _page_box(kv_layout, src_heads, dst_heads, heads, page_size, head_dim)
+    n = 1
+    for dm in dims[:_merged_from(dims)]:
+        n *= dm[4]
+    return n
+
+
+def _page_box(kv_layout, src_heads, dst_heads, heads, page_size, head_dim):
     lo, hi = heads
     if not (src_heads[0] <= lo < hi <= src_heads[1] and dst_heads[0] <= lo < hi <= dst_heads[1]):
         raise ValueError(f"heads {heads} not held by both sides {src_heads}, {dst_heads}")
@@ -171,12 +190,19 @@ def page_pieces(kv_layout: str, src_heads: tuple[int, int], dst_heads: tuple[int
     tok = (page_size, page_size, 0, 0, page_size)
     dim = (head_dim, head_dim, 0, 0, head_dim)
     if kv_layout == "HND":
-        dims = [kv, head, tok, dim]
-    elif kv_layout == "NHD":
-        dims = [kv, tok, head, dim]
-    else:
-        raise ValueError(f"kv_layout {kv_layout!r} is not supported; allowed: HND, NHD")
-    return _box_pieces(dims, itemsize)
+        return [kv, head, tok, dim]
+    if kv_layout == "NHD":
+        return [kv, tok, head, dim]
+    raise ValueError(f"kv_layout {kv_layout!r} is not supported; allowed: HND, NHD")
+
+
+def _merged_from(dims) -> int:
+    """The innermost dims the box covers fully on both sides merge into one piece:
+    the index of the outermost of them."""
+    k = len(dims) - 1
+    while k > 0 and dims[k][0] == dims[k][1] == dims[k][4]:
+        k -= 1
+    return k
 
 
 def _box_pieces(dims, itemsize: int) -> list[Piece]:
@@ -191,10 +217,7 @@ def _box_pieces(dims, itemsize: int) -> list[Piece]:
         s, d = s * src_size, d * dst_size
     src_strides.reverse()
     dst_strides.reverse()
-    # the innermost dims the box covers fully on both sides merge into one piece
-    k = len(dims) - 1
-    while k > 0 and dims[k][0] == dims[k][1] == dims[k][4]:
-        k -= 1
+    k = _merged_from(dims)
     piece = dims[k][4] * src_strides[k]
     pieces = []
     for idx in itertools.product(*(range(dm[4]) for dm in dims[:k])):
@@ -379,6 +402,59 @@ def plan_transfer(models, page_ids, num_tokens: int, src: ShardScheme, dst: Shar
         raise ValueError(f"context blob sizes must be >= 1 byte, got {tuple(context_nbytes)}")
     return TransferPlan(models, tuple(ops), tuple(bases), tuple(int(n) for n in context_nbytes),
                         total)
+
+
+def num_runs(page_ids, max_run_pages: int) -> int:
+    """``len(page_runs(page_ids, max_run_pages))`` in O(pages) numpy.
+
+    >>> num_runs([3, 4, 5, 9, 10, 2], max_run_pages=2)
+    4
+    """
+    if max_run_pages < 1:
+        raise ValueError(f"max_run_pages={max_run_pages} is invalid; allowed: >= 1")
+    ids = np.asarray(page_ids, dtype=np.int64)
+    if not len(ids):
+        return 0
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    segments = np.diff(np.concatenate(([0], cuts, [len(ids)])))
+    return int((-(-segments // max_run_pages)).sum())
+
+
+def count_layer_ops(spec: ModelSpec, page_ids, src: ShardScheme, dst: ShardScheme,
+                    max_run_pages: int = 1, seed: int = 0) -> int:
+    """``len(layer_ops(...))`` without building it: O(pages + rank pairs), whatever the
+    page size. What a receiver of a descriptor checks costs against before planning.
+
+    >>> spec = ModelSpec("t", 2, 8, 128, 16)
+    >>> count_layer_ops(spec, [4, 5, 6, 9], ShardScheme(1), ShardScheme(1), 16)
+    2
+    """
+    runs = None
+    total = 0
+    for pair in shard_pairs(src, dst, spec.num_kv_heads, seed):
+        s_heads = src.head_range(pair.src_rank, spec.num_kv_heads)
+        d_heads = dst.head_range(pair.dst_rank, spec.num_kv_heads)
+        pieces = num_page_pieces(spec.kv_layout, s_heads, d_heads, pair.heads, spec.page_size,
+                                 spec.head_dim)
+        if s_heads == d_heads:     # whole pages: runs of them
+            if runs is None:
+                runs = num_runs(page_ids, max_run_pages)
+            total += runs
+        else:
+            total += pieces * len(page_ids)
+    return total
+
+
+def count_ops(models, page_ids, src: ShardScheme, dst: ShardScheme, max_run_pages: int = 1,
+              num_context: int = 0, seed: int = 0) -> tuple[int, int]:
+    """``(plan.num_ops, the largest model's operations per layer)`` of the plan
+    :func:`plan_transfer` would build, without building it."""
+    total, widest = num_context, 0
+    for spec in models:
+        n = count_layer_ops(spec, page_ids, src, dst, max_run_pages, seed)
+        total += spec.num_layers * n
+        widest = max(widest, n)
+    return total, widest
 
 
 def ops_per_page(spec: ModelSpec, src: ShardScheme, dst: ShardScheme) -> float:

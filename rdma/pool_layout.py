@@ -4,7 +4,9 @@ Files under ``/dev/shm``:
 
 - ``{name}.ctl``, the control file: a 4 KiB header of int64 fields (indexed by the
   ``H_*`` constants; the encoded model specs at ``SPEC_OFFSET``), then the per-page,
-  per-owner and per-slot arrays of :class:`ControlBlock`, each 64-byte aligned;
+  per-owner and per-slot arrays of :class:`ControlBlock`, each 64-byte aligned. The
+  header names the server the pool belongs to (pid, start time, PID namespace), so a
+  file left by a dead server is told from one a live server uses (:func:`pool_owner`);
 - ``{name}.r{rank}.{model}``: one decode rank's KV pool of one model, laid out as the
   engine lays out its own pool (``[layers, pages, *page_shape]``), so the engine can
   use it as its buffer.
@@ -25,12 +27,13 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from .errors import PoolError
 from .plan import ModelSpec, ShardScheme
-from .wire import MAX_SLOTS, Reader, decode_models, encode_models
+from .wire import MAX_SLOTS, SECRET_BYTES, Reader, decode_models, encode_models
 
 SHM_DIR = "/dev/shm"
 MAGIC = 0x314C4F4F50564B54   # "TKVPOOL1"
@@ -38,7 +41,8 @@ HEADER_BYTES = 4096
 HEADER_FIELDS = 32
 SPEC_OFFSET = 256            # header bytes from here on hold the encoded model specs
 H_MAGIC, H_NUM_PAGES, H_NUM_SLOTS, H_CTX, H_OWNERS, H_FREE_TOP, H_DIRTY, \
-    H_SPEC_LEN, H_RECLAIMED, H_FAILED, H_TP, H_SETS = range(12)
+    H_SPEC_LEN, H_RECLAIMED, H_FAILED, H_TP, H_SETS, H_HEADROOM, H_SERVER_PID, \
+    H_SERVER_START, H_PIDNS, H_CREATOR_PID, H_CREATOR_START, H_CANCELLED = range(19)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,9 @@ class PoolSpec:
     num_slots: int = 256
     context_bytes: int = 0
     max_owners: int = 64
+    # pages reservations may not take: what running sequences need to keep decoding
+    # (the decoder's own allocations may use them)
+    headroom_pages: int = 0
 
     def __post_init__(self):
         if "/" in self.name or not self.name:
@@ -60,6 +67,8 @@ class PoolSpec:
             raise ValueError(f"num_slots={self.num_slots}; allowed: 1..{MAX_SLOTS}")
         if self.num_pages < 1 or self.context_bytes < 0 or self.max_owners < 1:
             raise ValueError("num_pages and max_owners must be >= 1, context_bytes >= 0")
+        if not 0 <= self.headroom_pages < self.num_pages:
+            raise ValueError(f"headroom_pages={self.headroom_pages}; allowed: 0..{self.num_pages - 1}")
         if len({m.page_size for m in self.models}) != 1:
             raise ValueError("all models of a pool share one page_size")
 
@@ -128,7 +137,69 @@ def read_spec(name: str, timeout_s: float = 10.0) -> PoolSpec:
     spec_bytes = head[SPEC_OFFSET:SPEC_OFFSET + int(hdr[H_SPEC_LEN])]
     return PoolSpec(name, decode_models(Reader(spec_bytes)), int(hdr[H_NUM_PAGES]),
                     ShardScheme(int(hdr[H_TP]), int(hdr[H_SETS])), int(hdr[H_NUM_SLOTS]),
-                    int(hdr[H_CTX]), int(hdr[H_OWNERS]))
+                    int(hdr[H_CTX]), int(hdr[H_OWNERS]), int(hdr[H_HEADROOM]))
+
+
+# -- whose pool is it ----------------------------------------------------------------------
+def proc_start(pid: int) -> int | None:
+    """The process's start time in clock ticks (None if it does not exist, or is dead
+    and not yet reaped: a SIGKILLed stub stays a zombie until its server waits for it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])   # field 22 of stat, counted after "pid (comm)"
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace (processes in other namespaces cannot be checked)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def alive(pid: int, start: int) -> bool:
+    return pid > 0 and proc_start(pid) == start
+
+
+class PoolOwner(Enum):
+    """What :func:`pool_owner` found at a pool's name."""
+    MISSING = "missing"          # no control file
+    STARTING = "starting"        # its creator is still writing the header
+    OURS = "ours"                # created for this server: attach
+    STALE = "stale"              # its server (or its half-done creator) is dead: replace
+    OTHER = "other"              # a live server's, or one we cannot check: refuse
+
+
+def pool_owner(name: str, server_pid: int) -> tuple[PoolOwner, str]:
+    """Whose pool file ``name`` is, seen from a process of the server ``server_pid``:
+    (verdict, why)."""
+    try:
+        with open(ctl_path(name), "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        return PoolOwner.MISSING, "no pool file"
+    if len(head) < HEADER_BYTES:
+        return PoolOwner.STARTING, "header not written yet"
+    hdr = np.frombuffer(head, np.int64, HEADER_FIELDS)
+    if not hdr[H_CREATOR_PID]:
+        return PoolOwner.STARTING, "header not written yet"
+    if hdr[H_PIDNS] and hdr[H_PIDNS] != pid_namespace():
+        return PoolOwner.OTHER, ("it was created in another PID namespace (another container "
+                                 "sharing /dev/shm?), whose processes cannot be checked")
+    server, start = int(hdr[H_SERVER_PID]), int(hdr[H_SERVER_START])
+    if server == server_pid and start == proc_start(server_pid):
+        if hdr[H_MAGIC] == MAGIC or alive(int(hdr[H_CREATOR_PID]), int(hdr[H_CREATOR_START])):
+            return PoolOwner.OURS, "this server's"
+        return PoolOwner.STALE, "its creator died before it was initialised"
+    if alive(server, start):
+        return PoolOwner.OTHER, f"it belongs to another live server (pid {server})"
+    return PoolOwner.STALE, f"its server (pid {server}) is gone"
 
 
 # -- the control file ----------------------------------------------------------------------
@@ -150,6 +221,8 @@ def _arrays(spec: PoolSpec) -> list[tuple[str, np.dtype, int]]:
         ("slot_expected", np.uint64, slots),
         ("slot_counter", np.uint64, slots),
         ("slot_pages", np.uint32, slots),
+        ("slot_cancel", np.uint32, slots),  # generation the decoder asked to cancel
+        ("slot_secret", np.uint8, slots * SECRET_BYTES),
         ("context", np.uint8, slots * spec.context_bytes),
     ]
 
@@ -174,6 +247,7 @@ class ControlBlock:
         for (name, dtype, n), o in zip(arrays, offsets):
             setattr(self, name, np.ndarray(n, dtype, buffer=self.mm, offset=o))
         self.slot_ctx = self.context.reshape(spec.num_slots, spec.context_bytes)
+        self.secrets = self.slot_secret.reshape(spec.num_slots, SECRET_BYTES)
         if create:
             self._write_header(spec)
 
@@ -187,6 +261,16 @@ class ControlBlock:
         h[H_CTX] = spec.context_bytes
         h[H_OWNERS], h[H_SPEC_LEN] = spec.max_owners, len(models)
         h[H_TP], h[H_SETS] = spec.scheme.tp_size, spec.scheme.replica_sets
+        h[H_HEADROOM] = spec.headroom_pages
+
+    def set_server(self, server_pid: int) -> None:
+        """Name the server this pool belongs to and its creator (first, before the slow
+        part of creation: an opener tells a live creator from a dead one by them)."""
+        h, me = self.hdr, os.getpid()
+        h[H_SERVER_PID], h[H_SERVER_START] = server_pid, proc_start(server_pid) or 0
+        h[H_PIDNS] = pid_namespace()
+        h[H_CREATOR_START] = proc_start(me) or 0
+        h[H_CREATOR_PID] = me   # last: its being set means the others are
 
     def publish(self) -> None:
         """Mark the pool initialised (last: openers wait for it)."""
@@ -194,7 +278,7 @@ class ControlBlock:
 
     def close(self) -> None:
         # drop our own views first, or the mapping cannot close
-        for name in self._names + ["hdr", "slot_ctx"]:
+        for name in self._names + ["hdr", "slot_ctx", "secrets"]:
             setattr(self, name, None)
         _close_map(self.fd, self.mm)
 

@@ -12,18 +12,7 @@ import os
 import numpy as np
 
 from .errors import PoolError
-from .pool_layout import ControlBlock
-
-
-def proc_start(pid: int) -> int | None:
-    """The process's start time in clock ticks (None if it does not exist)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return int(fields[19])   # field 22 of stat, counted after "pid (comm)"
+from .pool_layout import ControlBlock, proc_start
 
 
 class Owners:

@@ -42,13 +42,14 @@ class SharedPages:
         c.free_stack[:len(free)] = free[::-1]   # pop order: lowest ids first
         c.hdr[H_FREE_TOP] = len(free)
 
-    def alloc(self, n: int, owner: int, slot: int = -1) -> list[int]:
-        """Pop ``n`` pages for ``owner`` (in reservation ``slot``, or none); nothing is
-        taken if fewer are free."""
+    def alloc(self, n: int, owner: int, slot: int = -1, keep_free: int = 0) -> list[int]:
+        """Pop ``n`` pages for ``owner`` (in reservation ``slot``, or none), leaving at
+        least ``keep_free`` free; nothing is taken if fewer are free."""
         c = self._ctl
         top = int(c.hdr[H_FREE_TOP])
-        if n > top:
-            raise PoolExhausted(f"need {n} pages, {top} free of {self.num_pages}")
+        if n > top - keep_free:
+            held = f" ({keep_free} kept for running sequences)" if keep_free else ""
+            raise PoolExhausted(f"need {n} pages, {top} free of {self.num_pages}{held}")
         pages = c.free_stack[top - n:top][::-1].copy()
         c.page_owner[pages] = owner
         c.page_slot[pages] = slot

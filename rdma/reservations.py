@@ -1,29 +1,38 @@
 """Reservations: the slots through which kv_transfer hands received KV to decode.
 
-A slot holds a state, a generation, a lease deadline, the expected and completed
-operation counts and a context buffer. Its lifecycle: FREE -> RESERVED (kv_transfer,
-receives in flight) -> READY (all operations completed) -> claimed by decode (pages
-change owner, slot FREE again); or -> FAILED (timeout, sender error, unclaimed, owner
-died), pages freed at once, slot kept FAILED for ``fail_grace_s`` so the decoder can
-read why, then FREE. The generation increments on every reservation of a slot, and
-everything that names a reservation names (slot, generation).
+A slot holds a state, a generation, a 128-bit secret, a lease deadline, the expected
+and completed operation counts and a context buffer. Its lifecycle: FREE -> RESERVED
+(kv_transfer, receives in flight) -> READY (all operations completed) -> claimed by
+decode (pages change owner, slot FREE again); or -> FAILED (timeout, sender error,
+unclaimed, owner died, cancelled), pages freed at once, slot kept FAILED for
+``fail_grace_s`` so the decoder can read why, then FREE. A FAILED slot is reused
+before its grace ends when no FREE one is left: failed slots never block a
+reservation while pages are free. The generation increments on every reservation of
+a slot, and everything that names a reservation names (slot, generation); what
+proves a right to it is the secret (:meth:`Reservations.verify`).
+
+A cancel from the decoder (:meth:`Reservations.cancel`) frees a READY reservation at
+once; a RESERVED one may still have receives in flight into its pages, so the cancel
+is a request its receiver acts on (``slot_cancel``), freeing the pages once no
+receive can land in them.
 """
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import PoolError, PoolExhausted, ReservationGone
-from .pool_layout import H_FAILED, ControlBlock
+from .pool_layout import H_CANCELLED, H_FAILED, ControlBlock
 from .pool_pages import SharedPages
 
 FREE, RESERVED, READY, FAILED = 0, 1, 2, 3
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", READY: "ready", FAILED: "failed"}
 
 # why a reservation failed
-OK, TIMEOUT, SENDER_ERROR, UNCLAIMED, OWNER_DIED, CANCELLED = range(6)
+OK, TIMEOUT, SENDER_ERROR, UNCLAIMED, OWNER_DIED, CANCELLED, INJECTED = range(7)
 FAILURE_REASONS = {
     OK: "ok",
     TIMEOUT: "no KV arrived within the transfer timeout (prefill died, stalled or unreachable)",
@@ -31,10 +40,12 @@ FAILURE_REASONS = {
     UNCLAIMED: "the decoder did not claim the transferred KV within its lease",
     OWNER_DIED: "the process holding the reservation died",
     CANCELLED: "the reservation was cancelled",
+    INJECTED: "a fault was injected (TANDEM_FAULTS)",
 }
 # short names, for metric labels and logs
 FAILURE_CODES = {OK: "ok", TIMEOUT: "timeout", SENDER_ERROR: "sender_error",
-                 UNCLAIMED: "unclaimed", OWNER_DIED: "owner_died", CANCELLED: "cancelled"}
+                 UNCLAIMED: "unclaimed", OWNER_DIED: "owner_died", CANCELLED: "cancelled",
+                 INJECTED: "injected"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +74,9 @@ class SlotStatus:
 
 
 class Reservations:
-    """The slot arrays of a :class:`~.pool_layout.ControlBlock`. :meth:`poll` and
-    :meth:`add_completed` are lock-free; every other method expects the pool's lock."""
+    """The slot arrays of a :class:`~.pool_layout.ControlBlock`. :meth:`poll`,
+    :meth:`add_completed` and :meth:`cancel_requested` are lock-free; every other
+    method expects the pool's lock."""
 
     def __init__(self, ctl: ControlBlock, pages: SharedPages, num_slots: int,
                  fail_grace_s: float):
@@ -83,17 +95,17 @@ class Reservations:
         state = self._ctl.slot_state
         return int(((state == RESERVED) | (state == READY)).sum())
 
+    def in_range(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots
+
     # -- kv_transfer's side --------------------------------------------------------------
-    def reserve(self, num_pages: int, expected_ops: int, timeout_s: float,
-                owner: int) -> tuple[int, int, list[int]]:
-        """Take a free slot and ``num_pages`` pages for ``owner``: (slot, generation,
-        pages); nothing is taken if either runs out."""
+    def reserve(self, num_pages: int, expected_ops: int, timeout_s: float, owner: int,
+                secret: bytes, keep_free: int = 0) -> tuple[int, int, list[int]]:
+        """Take a slot and ``num_pages`` pages for ``owner``, leaving ``keep_free``
+        pages free: (slot, generation, pages); nothing is taken if either runs out."""
         c = self._ctl
-        free_slots = np.flatnonzero(c.slot_state == FREE)
-        if not len(free_slots):
-            raise PoolExhausted(f"all {self.num_slots} reservation slots are in use")
-        slot = int(free_slots[0])
-        pages = self._pages.alloc(num_pages, owner, slot)
+        slot = self._pick_slot()
+        pages = self._pages.alloc(num_pages, owner, slot, keep_free)
         gen = (int(c.slot_gen[slot]) + 1) & 0xFFFFFFFF or 1
         c.slot_gen[slot] = gen
         c.slot_owner[slot] = owner
@@ -101,9 +113,22 @@ class Reservations:
         c.slot_counter[slot] = 0
         c.slot_error[slot] = OK
         c.slot_pages[slot] = num_pages
+        c.slot_cancel[slot] = 0
+        c.secrets[slot] = np.frombuffer(secret, np.uint8)
         c.slot_deadline[slot] = time.monotonic() + timeout_s
         c.slot_state[slot] = RESERVED
         return slot, gen, pages
+
+    def _pick_slot(self) -> int:
+        """The lowest FREE slot, else the FAILED slot whose grace ends first."""
+        c = self._ctl
+        free = np.flatnonzero(c.slot_state == FREE)
+        if len(free):
+            return int(free[0])
+        failed = np.flatnonzero(c.slot_state == FAILED)
+        if len(failed):
+            return int(failed[np.argmin(c.slot_deadline[failed])])
+        raise PoolExhausted(f"all {self.num_slots} reservation slots are in use")
 
     def arm(self, slot: int, generation: int, expected_ops: int) -> None:
         c = self._ctl
@@ -117,9 +142,18 @@ class Reservations:
         self._ctl.slot_counter[slot] = c
         return c
 
+    def cancel_requested(self, slot: int, generation: int) -> bool:
+        """Lock-free: whether the decoder asked to cancel this reservation."""
+        return int(self._ctl.slot_cancel[slot]) == generation
+
     def mark_ready(self, slot: int, generation: int, claim_lease_s: float) -> bool:
+        """RESERVED -> READY; a reservation the decoder cancelled meanwhile fails
+        instead (nobody would claim it). Whether it is READY."""
         c = self._ctl
         if c.slot_gen[slot] != generation or c.slot_state[slot] != RESERVED:
+            return False
+        if c.slot_cancel[slot] == generation:
+            self.fail_slot(slot, CANCELLED)
             return False
         c.slot_deadline[slot] = time.monotonic() + claim_lease_s
         c.slot_state[slot] = READY
@@ -144,11 +178,14 @@ class Reservations:
 
     def fail_owned(self, owner: int, reason: int) -> None:
         """Fail every live reservation of ``owner``."""
+        for slot in self.owned(owner):
+            self.fail_slot(slot, reason)
+
+    def owned(self, owner: int) -> list[int]:
+        """The live (RESERVED or READY) reservations of ``owner``."""
         c = self._ctl
-        live = np.flatnonzero((c.slot_owner == owner)
-                              & ((c.slot_state == RESERVED) | (c.slot_state == READY)))
-        for slot in live:
-            self.fail_slot(int(slot), reason)
+        return np.flatnonzero((c.slot_owner == owner) & ((c.slot_state == RESERVED)
+                                                         | (c.slot_state == READY))).tolist()
 
     def expire(self, now: float) -> None:
         """Lease housekeeping: unclaimed READY slots fail, FAILED slots become FREE."""
@@ -158,9 +195,19 @@ class Reservations:
             self.fail_slot(int(slot), UNCLAIMED)
 
     # -- the decoder's side --------------------------------------------------------------
-    def poll(self, slot: int, generation: int) -> SlotStatus:
-        """Lock-free; a reused slot reads as FAILED(CANCELLED)."""
+    def verify(self, slot: int, generation: int, secret: bytes) -> bool:
+        """Whether (slot, generation, secret) names a reservation of this pool, live or
+        ended (constant-time comparison of the secret)."""
         c = self._ctl
+        if not self.in_range(slot) or int(c.slot_gen[slot]) != generation:
+            return False
+        return hmac.compare_digest(c.secrets[slot].tobytes(), bytes(secret))
+
+    def poll(self, slot: int, generation: int) -> SlotStatus:
+        """Lock-free; a reused slot (or one out of range) reads as FAILED(CANCELLED)."""
+        c = self._ctl
+        if not self.in_range(slot):
+            return SlotStatus(FAILED, generation, 0, 0, CANCELLED)
         state, gen = int(c.slot_state[slot]), int(c.slot_gen[slot])
         if gen != generation:
             return SlotStatus(FAILED, generation, 0, 0, CANCELLED)
@@ -170,13 +217,18 @@ class Reservations:
         return SlotStatus(state, gen, int(c.slot_counter[slot]), int(c.slot_expected[slot]),
                           error)
 
-    def claim(self, slot: int, generation: int, owner: int) -> list[int]:
-        """A READY reservation's pages become ``owner``'s; the slot is FREE again."""
+    def claim(self, slot: int, generation: int, owner: int, secret: bytes | None = None) -> list[int]:
+        """A READY reservation's pages become ``owner``'s; the slot is FREE again. With
+        ``secret``, only if it is the reservation's."""
         c = self._ctl
+        if not self.in_range(slot):
+            raise ReservationGone(f"slot {slot} out of range 0..{self.num_slots - 1}")
         state = int(c.slot_state[slot])
         if c.slot_gen[slot] != generation:
             raise ReservationGone(f"reservation {slot}/{generation} no longer exists "
                                   f"(slot now at generation {int(c.slot_gen[slot])})")
+        if secret is not None and not self.verify(slot, generation, secret):
+            raise ReservationGone(f"reservation {slot}/{generation}: wrong secret")
         if state == FREE and c.slot_error[slot] == OK:
             raise ReservationGone(f"reservation {slot}/{generation} was already claimed")
         if state in (FAILED, FREE):
@@ -188,3 +240,20 @@ class Reservations:
         pages = self._pages.hand_over(slot, owner)
         c.slot_state[slot] = FREE
         return pages
+
+    def cancel(self, slot: int, generation: int) -> bool:
+        """The decoder gives the reservation up: a READY one fails (pages freed) now; a
+        RESERVED one is marked for its receiver, which stops taking its data and frees
+        its pages once no receive is in flight. Whether it was live."""
+        c = self._ctl
+        if not self.in_range(slot) or c.slot_gen[slot] != generation:
+            return False
+        state = int(c.slot_state[slot])
+        if state == READY:
+            self.fail_slot(slot, CANCELLED)
+        elif state == RESERVED:
+            c.slot_cancel[slot] = generation
+        else:
+            return False
+        c.hdr[H_CANCELLED] += 1
+        return True

@@ -9,11 +9,19 @@ The prefill engine tells the messenger three things, none of which blocks it:
 - :meth:`KVSender.send_context` — after the last chunk, the context blobs
   (penultimate hidden state, logits, ...).
 
-The messenger thread (the UCX transport thread) watches the counter and, as each
-layer completes, sends every unit of that layer whose pages are final — while later
-layers still compute. A transfer finishes when every one of its sends completed; then
+The messenger thread (the UCX transport thread) first opens each transfer with the
+receiver (an :class:`~tandem.rdma.wire.Open` that proves the reservation's secret;
+data is sent once it is acknowledged), then watches the counter and, as each layer
+completes, sends every unit of that layer whose pages are final — while later layers
+still compute. A transfer finishes when every one of its sends completed; then
 ``on_done(transfer)`` runs (on the messenger thread) and the engine may free its pages.
-If the receiver stops taking data for ``timeout_s`` the transfer fails the same way.
+It fails the same way when the receiver refuses the Open (wrong secret, reservation
+gone), aborts it (the request was cancelled, or the reservation timed out), or stops
+taking data for ``timeout_s``.
+
+:meth:`KVSender.check` holds a descriptor against this rank's own pools before
+anything is planned: call it where the descriptor arrives (a request's thread), so
+that a forged or mismatched one is refused there, alone.
 """
 from __future__ import annotations
 
@@ -26,12 +34,14 @@ from typing import Callable
 import numpy as np
 
 from .descriptor import DestinationDescriptor
-from .errors import PeerUnreachable, TransferError, TransferTimeout
+from .errors import PeerUnreachable, TransferCancelled, TransferError, TransferTimeout
+from .faults import Faults
 from .plan import ModelSpec, ShardScheme
+from .reservations import FAILURE_REASONS
 from .transfer import Transfer
 from .transport import Messenger
-from .wire import (KIND_CONTROL, MAX_CONTROL_BYTES, Ack, Hello, MalformedMessage, control_tag,
-                   data_tag, decode_control, encode_control, parse_tag)
+from .wire import (KIND_CONTROL, MAX_CONTROL_BYTES, Abort, Ack, MalformedMessage, Nack, Open,
+                   control_tag, data_tag, decode_control, encode_control, parse_tag)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,8 @@ class SenderConfig:
     # late data) before the sender gives up and reuses the pages
     timeout_s: float = 15.0
     connect_timeout_s: float = 5.0
+    net_devices: str | None = None   # UCX network devices (transport.ucx_config); None: lo
+    faults: Faults | None = None     # fault injection (tests, benchmarks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +123,13 @@ class ForwardStep:
 
 
 class _Peer:
-    __slots__ = ("address", "state", "ep", "nonce", "deadline", "waiting")
+    """A receiver this sender feeds: its data endpoint, and the transfers whose Open
+    awaits an answer (by nonce). ``state`` turns "ok" at its first answer."""
+    __slots__ = ("address", "state", "ep", "opening")
 
     def __init__(self, address: bytes):
         self.address, self.state, self.ep = address, "connecting", None
-        self.nonce, self.deadline, self.waiting = random.getrandbits(63), 0.0, []
+        self.opening: dict[int, Transfer] = {}
 
 
 class KVSender(Messenger):
@@ -137,13 +151,19 @@ class KVSender(Messenger):
         self._names = list(self.pools)
         self._peers: dict[bytes, _Peer] = {}
         self._active: set[Transfer] = set()
-        self.stats = {"transfers": 0, "failed": 0, "ops": 0, "bytes": 0, "staged_ops": 0}
-        self._open(name)
+        self._faults = self.config.faults
+        self.stats = {"transfers": 0, "failed": 0, "ops": 0, "bytes": 0, "staged_ops": 0,
+                      "refused": 0, "aborted": 0, "dropped": 0}
+        self._open(name, self.config.net_devices)
 
-    # -- engine thread -------------------------------------------------------------------
-    def begin(self, desc: DestinationDescriptor, src_pages,
-              on_done: Callable | None = None) -> Transfer:
-        """Start a transfer of ``src_pages`` (this rank's page ids, in sequence order)."""
+    # -- any thread ----------------------------------------------------------------------
+    def check(self, desc: DestinationDescriptor, context_nbytes: tuple[int, ...] | None = None
+              ) -> list[int]:
+        """Raise ``ValueError`` unless ``desc`` fits this rank: every model it names is
+        one of this rank's pools with the same geometry, it was planned for this
+        sender's sharding, and (when given) its context blobs have these sizes. Cheap
+        (no plan): call it before accepting a job. Returns the plan's model -> pool
+        index."""
         models = []
         for m in desc.models:
             src = self.pools.get(m.name)
@@ -161,11 +181,23 @@ class KVSender(Messenger):
         if desc.src != self.scheme:
             raise ValueError(f"descriptor planned for prefill sharding {desc.src}, this sender "
                              f"is {self.scheme}")
+        if context_nbytes is not None and desc.context_nbytes != tuple(context_nbytes):
+            raise ValueError(f"descriptor expects context blobs of {desc.context_nbytes} bytes; "
+                             f"this prefill sends {tuple(context_nbytes)}")
+        return models
+
+    # -- engine thread -------------------------------------------------------------------
+    def begin(self, desc: DestinationDescriptor, src_pages,
+              on_done: Callable | None = None) -> Transfer:
+        """Start a transfer of ``src_pages`` (this rank's page ids, in sequence order)."""
+        models = self.check(desc)
         src_pages = [int(p) for p in src_pages]
         if len(src_pages) != len(desc.page_ids):
             raise ValueError(f"{len(src_pages)} source pages for {len(desc.page_ids)} "
                              "destination pages")
         t = Transfer(desc, src_pages, self.rank, models, on_done)
+        if self._faults is not None:
+            t.drop_after = self._faults.drop_after(t.total)
         self._transport.submit(lambda: self._start(t))
         return t
 
@@ -198,6 +230,7 @@ class KVSender(Messenger):
 
     # -- messenger thread ----------------------------------------------------------------
     def _start(self, t: Transfer) -> None:
+        """Open the transfer: prove the reservation's secret; data waits for the Ack."""
         self.stats["transfers"] += 1
         self._active.add(t)
         addr = t.desc.worker_address
@@ -206,28 +239,40 @@ class KVSender(Messenger):
             peer = self._peers[addr] = _Peer(addr)
             try:
                 peer.ep = self._transport.endpoint(addr)
-                peer.deadline = time.monotonic() + self.config.connect_timeout_s
-                # keyed by the peer, so a dead peer's pending handshake is forgotten with it
-                self._transport.send(peer.ep, encode_control(Hello(peer.nonce, self.address)),
-                                     control_tag(), addr, lambda err: None)
+                # UCX tells us on this one when the receiver dies: fail at once, not after
+                # the stall timeout
+                self._transport.watch(addr, self._receiver_lost)
             except Exception as e:  # noqa: BLE001 - UCX cannot reach the address
-                self._peer_failed(peer, PeerUnreachable(
+                return self._peer_failed(peer, PeerUnreachable(
                     f"cannot reach the decode worker: {type(e).__name__}: {e}"))
-        if peer.state == "ok":
-            self._activate(t)
-        elif peer.state == "connecting":
-            peer.waiting.append(t)
-        else:
-            self._fail(t, PeerUnreachable("the decode worker is unreachable"))
+        t.nonce = random.getrandbits(63)
+        t.open_deadline = time.monotonic() + self.config.connect_timeout_s
+        peer.opening[t.nonce] = t
+        d = t.desc
+        try:
+            # keyed by the peer, so a dead peer's pending handshake is forgotten with it
+            self._transport.send(peer.ep, encode_control(Open(t.nonce, self.address, d.slot,
+                                                              d.generation, d.secret)),
+                                 control_tag(), addr, lambda err: None)
+        except Exception as e:  # noqa: BLE001 - UCX cannot reach the address
+            self._peer_failed(peer, PeerUnreachable(
+                f"cannot reach the decode worker: {type(e).__name__}: {e}"))
+
+    def _receiver_lost(self, address: bytes) -> None:
+        peer = self._peers.get(address)
+        if peer is not None:
+            self._peer_failed(peer, PeerUnreachable("the decode worker went away (its process "
+                                                    "died or closed)"))
 
     def _peer_failed(self, peer: _Peer, err: Exception) -> None:
         self._peers.pop(peer.address, None)
         self._transport.drop_endpoint(peer.address)
         self._transport.forget(peer.address)
         peer.state = "failed"
-        for t in peer.waiting + [t for t in self._active if t.desc.worker_address == peer.address]:
+        for t in list(peer.opening.values()) + [t for t in self._active
+                                                if t.desc.worker_address == peer.address]:
             self._fail(t, err)
-        peer.waiting = []
+        peer.opening = {}
 
     def _activate(self, t: Transfer) -> None:
         if t.done:
@@ -253,6 +298,8 @@ class KVSender(Messenger):
         step.seen = value
 
     def _send_ready(self, t: Transfer, m: int, layer: int) -> None:
+        if t.drop_after is not None and t.sent >= t.drop_after:
+            return self._drop(t)
         rows = t.take_ready(m, layer)
         if not rows:
             return
@@ -289,7 +336,7 @@ class KVSender(Messenger):
 
     def _send(self, t: Transfer, ep, buf, op: int, nbytes: int, staged: bool = False) -> None:
         t.op_posted(nbytes, staged)
-        self._transport.send(ep, buf, data_tag(t.desc.slot, t.desc.generation, op),
+        self._transport.send(ep, buf, data_tag(t.desc.tag_key, op),
                              t.desc.worker_address, lambda err: self._sent(t, err))
 
     def _sent(self, t: Transfer, err) -> None:
@@ -322,7 +369,16 @@ class KVSender(Messenger):
         self.stats["failed"] += 1
         log.warning("KV transfer to reservation %d/%d failed: %s", t.desc.slot,
                     t.desc.generation, err)
+        peer = self._peers.get(t.desc.worker_address)
+        if peer is not None:
+            peer.opening.pop(getattr(t, "nonce", None), None)
         self._finish(t, err)
+
+    def _drop(self, t: Transfer) -> None:
+        """Fault injection: stop feeding ``t`` without a word, as a killed sender would."""
+        self.stats["dropped"] += 1
+        self._fail(t, TransferError("a fault was injected (TANDEM_FAULTS drop_sender): the "
+                                    "transfer was abandoned half-way"))
 
     def _on_message(self, probe) -> None:
         kind = parse_tag(probe.sender_tag.value)[0]
@@ -339,18 +395,37 @@ class KVSender(Messenger):
         except MalformedMessage as e:
             log.info("control message dropped: %s", e)
             return
-        if not isinstance(msg, Ack):
-            return
+        if isinstance(msg, (Ack, Nack)):
+            self._on_answer(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+
+    def _on_answer(self, msg: Ack | Nack) -> None:
         for peer in self._peers.values():
-            if peer.state == "connecting" and peer.nonce == msg.nonce:
-                peer.state = "ok"
-                waiting, peer.waiting = peer.waiting, []
-                for t in waiting:
-                    self._activate(t)
+            t = peer.opening.pop(msg.nonce, None)
+            if t is None:
+                continue
+            peer.state = "ok"
+            if isinstance(msg, Ack):
+                self._activate(t)
+            else:
+                self.stats["refused"] += 1
+                self._fail(t, TransferCancelled(f"the decode side refused the transfer: "
+                                                f"{msg.message}"))
+            return
+
+    def _on_abort(self, msg: Abort) -> None:
+        for t in list(self._active):
+            d = t.desc
+            if (d.slot, d.generation) == (msg.slot, msg.generation) and d.proves(msg.secret):
+                self.stats["aborted"] += 1
+                why = FAILURE_REASONS.get(msg.reason, f"error {msg.reason}")
+                self._fail(t, TransferCancelled(f"the decode side ended reservation "
+                                                f"{d.slot}/{d.generation}: {why}"))
 
     def _on_tick(self, now: float) -> float | None:
         for peer in list(self._peers.values()):
-            if peer.state == "connecting" and now > peer.deadline:
+            if any(now > t.open_deadline for t in peer.opening.values()):
                 self._peer_failed(peer, PeerUnreachable(
                     f"the decode worker did not answer the handshake within "
                     f"{self.config.connect_timeout_s}s"))
@@ -363,7 +438,7 @@ class KVSender(Messenger):
                 self._fail(t, err)
                 if peer is not None:   # its other transfers cannot progress either
                     self._peer_failed(peer, err)
-        busy = self._active or any(p.state == "connecting" for p in self._peers.values())
+        busy = self._active or any(p.opening for p in self._peers.values())
         return 0.05 if busy else None
 
 

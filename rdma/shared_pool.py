@@ -12,12 +12,20 @@ Concurrency: every state change happens under an ``flock`` on the control file (
 a thread lock), which the kernel releases when its holder dies. The canonical state is
 the per-page owner/slot arrays; the free stack is derived from them and rebuilt if a
 process died half-way through a change (the ``dirty`` flag). Each attached process
-registers as an owner; :meth:`SharedKVPool.reclaim_dead` returns a dead owner's pages
-and fails its reservations.
+registers as an owner; any of them may run :meth:`SharedKVPool.housekeep` (a dead
+owner's pages back, its reservations failed; leases expired) — kv_transfer and decode
+both do, so either one dying leaves the other to clean up.
+
+Allocation is decided under the lock (:meth:`SharedKVPool.try_alloc`), never from a
+racy read of the free count; reservations leave ``headroom_pages`` free for the
+decoder's running sequences.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
+import os
+import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -27,13 +35,16 @@ import numpy as np
 
 from .errors import PoolError, PoolExhausted, ReservationGone
 from .plan import ModelSpec
-from .pool_layout import (H_DIRTY, H_FAILED, H_RECLAIMED, SHM_DIR, ControlBlock, KVFiles,
-                          PoolSpec, read_spec, unlink_files)
+from .pool_layout import (H_CANCELLED, H_DIRTY, H_FAILED, H_RECLAIMED, SHM_DIR, ControlBlock,
+                          KVFiles, PoolOwner, PoolSpec, pool_owner, read_spec, unlink_files)
 from .pool_owners import Owners
 from .pool_pages import SharedPages
-from .reservations import (CANCELLED, FAILED, FAILURE_CODES, FAILURE_REASONS, FREE, OK,
+from .reservations import (CANCELLED, FAILED, FAILURE_CODES, FAILURE_REASONS, FREE, INJECTED, OK,
                            OWNER_DIED, READY, RESERVED, SENDER_ERROR, STATE_NAMES, TIMEOUT,
                            UNCLAIMED, Reservations, SlotStatus)
+from .wire import SECRET_BYTES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +55,7 @@ class PoolStats:
     slots_active: int
     reclaimed_owners: int
     failed_reservations: int
+    cancelled_reservations: int = 0
 
 
 class SharedKVPool:
@@ -61,11 +73,14 @@ class SharedKVPool:
     True
     """
 
-    def __init__(self, spec: PoolSpec, create: bool, fail_grace_s: float = 30.0):
+    def __init__(self, spec: PoolSpec, create: bool, fail_grace_s: float = 30.0,
+                 server_pid: int | None = None):
         self.spec = spec
         self._tlock = threading.RLock()
         self._closed = False
         self._ctl = ControlBlock(spec, create)
+        if create:
+            self._ctl.set_server(server_pid or os.getpid())
         self._pages = SharedPages(self._ctl, spec.num_pages)
         self._slots = Reservations(self._ctl, self._pages, spec.num_slots, fail_grace_s)
         self._owners = Owners(self._ctl, spec.max_owners, spec.name)
@@ -81,9 +96,53 @@ class SharedKVPool:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def create(cls, spec: PoolSpec, fail_grace_s: float = 30.0) -> "SharedKVPool":
-        """Create the pool's files (fails if they exist: see :meth:`unlink_stale`)."""
-        return cls(spec, create=True, fail_grace_s=fail_grace_s)
+    def create(cls, spec: PoolSpec, fail_grace_s: float = 30.0,
+               server_pid: int | None = None) -> "SharedKVPool":
+        """Create the pool's files (fails if they exist: see :meth:`open_or_create`),
+        for the server ``server_pid`` (default: this process)."""
+        return cls(spec, create=True, fail_grace_s=fail_grace_s, server_pid=server_pid)
+
+    @classmethod
+    def open_or_create(cls, spec: PoolSpec, server_pid: int | None = None,
+                       timeout_s: float = 120.0, fail_grace_s: float = 30.0) -> "SharedKVPool":
+        """The pool of server ``server_pid`` (default: this process): whichever of its
+        processes comes first creates it, the others attach. A file of the same name
+        left by a dead server (or by a creator that died half-way) is replaced; one a
+        live server uses — or one made in another PID namespace, which cannot be
+        checked — is refused with :class:`PoolError`. An existing pool must have
+        ``spec``'s geometry."""
+        server_pid = server_pid or os.getpid()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls.create(spec, fail_grace_s, server_pid)
+            except FileExistsError:
+                pass
+            verdict, why = pool_owner(spec.name, server_pid)
+            if verdict is PoolOwner.OURS:
+                pool = cls.open(spec.name, max(0.0, deadline - time.monotonic()), fail_grace_s)
+                return pool._same_geometry(spec)
+            if verdict is PoolOwner.OTHER:
+                raise PoolError(f"shared KV pool {spec.name!r} exists and is not this server's "
+                                f"to use: {why}. Remove /dev/shm/{spec.name}.* if that is wrong")
+            if verdict is PoolOwner.STALE:
+                log.warning("replacing stale shared KV pool %r: %s", spec.name, why)
+                unlink_files(spec.name)
+            elif time.monotonic() > deadline:   # STARTING for too long
+                raise PoolError(f"shared KV pool {spec.name!r}: its creator did not finish "
+                                f"writing it within {timeout_s}s")
+            else:
+                time.sleep(0.01)
+
+    def _same_geometry(self, spec: PoolSpec) -> "SharedKVPool":
+        have, want = self.spec, spec
+        if (have.models, have.num_pages, have.scheme, have.num_slots, have.context_bytes,
+                have.headroom_pages) != (want.models, want.num_pages, want.scheme,
+                                         want.num_slots, want.context_bytes, want.headroom_pages):
+            self.close(release=False)
+            raise PoolError(f"shared KV pool {spec.name!r} exists with another geometry "
+                            f"({have}); expected {want}")
+        return self
 
     @classmethod
     def open(cls, name: str, timeout_s: float = 10.0, fail_grace_s: float = 30.0) -> "SharedKVPool":
@@ -191,22 +250,40 @@ class SharedKVPool:
         with self._locked():
             return self._reclaim_dead_locked()
 
+    def housekeep(self, now: float | None = None) -> int:
+        """:meth:`reclaim_dead` and :meth:`expire` in one lock; any attached process may
+        run it (kv_transfer and decode both do). Returns the owners reclaimed."""
+        with self._locked():
+            n = self._reclaim_dead_locked()
+            self._slots.expire(time.monotonic() if now is None else now)
+            return n
+
     def expire(self, now: float | None = None) -> None:
         """Lease housekeeping: unclaimed READY slots fail, FAILED slots become FREE."""
         with self._locked():
             self._slots.expire(time.monotonic() if now is None else now)
 
     # -- reservations (kv_transfer) ------------------------------------------------------
-    def reserve(self, num_pages: int, expected_ops: int,
-                timeout_s: float) -> tuple[int, int, list[int]]:
-        """Reserve a slot and ``num_pages`` un-evictable pages: (slot, generation, pages).
-        Raises :class:`PoolExhausted` when pages or slots run out (after reclaiming
-        dead owners' and expired reservations')."""
+    def reserve(self, num_pages: int, expected_ops: int, timeout_s: float,
+                secret: bytes | None = None) -> tuple[int, int, list[int]]:
+        """Reserve a slot and ``num_pages`` un-evictable pages, protected by ``secret``
+        (16 bytes; a random one if None): (slot, generation, pages). ``headroom_pages``
+        stay free for the decoder. Raises :class:`PoolExhausted` when pages or slots run
+        out (after reclaiming dead owners' and expired reservations')."""
+        secret = secrets.token_bytes(SECRET_BYTES) if secret is None else secret
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"secret must be {SECRET_BYTES} bytes")
+        keep = self.spec.headroom_pages
         with self._locked():
-            if not self._slots.has_free_slot() or num_pages > self._pages.num_free:
+            if num_pages > self._pages.num_free - keep:
                 self._reclaim_dead_locked()
                 self._slots.expire(time.monotonic())
-            return self._slots.reserve(num_pages, expected_ops, timeout_s, self._me)
+            return self._slots.reserve(num_pages, expected_ops, timeout_s, self._me, secret,
+                                       keep)
+
+    def max_reservable_pages(self) -> int:
+        """The most pages one reservation can ever get (the pool less its headroom)."""
+        return self.spec.num_pages - self.spec.headroom_pages
 
     def arm(self, slot: int, generation: int, expected_ops: int) -> None:
         """Set the number of operations a RESERVED slot's counter expects."""
@@ -227,20 +304,52 @@ class SharedKVPool:
         with self._locked():
             return self._slots.fail(slot, generation, reason)
 
+    def cancel_requested(self, slot: int, generation: int) -> bool:
+        """Lock-free: whether the decoder gave this RESERVED reservation up."""
+        return self._slots.cancel_requested(slot, generation)
+
+    def owned_reservations(self) -> list[int]:
+        """Slots of this process's live (RESERVED or READY) reservations."""
+        with self._locked():
+            return self._slots.owned(self._me)
+
     # -- the decoder's side --------------------------------------------------------------
     def poll(self, slot: int, generation: int) -> SlotStatus:
-        """Lock-free read of a reservation; a reused slot reads as FAILED(CANCELLED)."""
+        """Lock-free read of a reservation; a reused slot (or one out of range) reads as
+        FAILED(CANCELLED)."""
         return self._slots.poll(slot, generation)
 
-    def claim(self, slot: int, generation: int) -> list[int]:
+    def verify(self, slot: int, generation: int, secret: bytes) -> bool:
+        """Whether ``secret`` is reservation (slot, generation)'s (lock-free)."""
+        return self._slots.verify(slot, generation, secret)
+
+    def claim(self, slot: int, generation: int, secret: bytes | None = None) -> list[int]:
         """Take over a READY reservation's pages (they become this process's pages), in
-        the order :meth:`reserve` handed them out."""
+        the order :meth:`reserve` handed them out; with ``secret``, only if it is the
+        reservation's."""
         with self._locked():
-            return self._slots.claim(slot, generation, self._me)
+            return self._slots.claim(slot, generation, self._me, secret)
+
+    def cancel(self, slot: int, generation: int, secret: bytes) -> bool:
+        """Give a reservation up (the request went away): a READY one is freed now, a
+        RESERVED one as soon as its receiver has no receive in flight into it (it stops
+        taking data and tells the sender). Whether it was live and the secret right."""
+        with self._locked():
+            if not self._slots.verify(slot, generation, secret):
+                return False
+            return self._slots.cancel(slot, generation)
 
     def alloc(self, n: int) -> list[int]:
         """Pages for this process outside any reservation (e.g. decode growth)."""
         with self._locked():
+            return self._pages.alloc(n, self._me)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """:meth:`alloc`, or None when fewer than ``n`` pages are free (decided under
+        the lock: no other process can take them in between)."""
+        with self._locked():
+            if n > self._pages.num_free:
+                return None
             return self._pages.alloc(n, self._me)
 
     def free(self, pages) -> None:
@@ -257,14 +366,17 @@ class SharedKVPool:
             free, reserved = self._pages.num_free, self._pages.num_reserved()
             hdr = self._ctl.hdr
             return PoolStats(free, reserved, self.spec.num_pages - free - reserved,
-                             self._slots.num_active(), int(hdr[H_RECLAIMED]), int(hdr[H_FAILED]))
+                             self._slots.num_active(), int(hdr[H_RECLAIMED]), int(hdr[H_FAILED]),
+                             int(hdr[H_CANCELLED]))
 
 
 class SharedPageAllocator:
     """The engine's page-allocator interface (``num_pages``, ``num_free``, ``num_used``,
-    ``can_alloc``, ``alloc``, ``free``) over a shared pool, for the decode process: its
-    own allocations plus claimed reservations. ``alloc`` raises :class:`PoolExhausted`
-    when too few pages are free; the engine asks ``can_alloc`` first.
+    ``can_alloc``, ``try_alloc``, ``alloc``, ``free``) over a shared pool, for the decode
+    process: its own allocations plus claimed reservations. kv_transfer reserves from
+    the same pool in another process, so ``can_alloc`` is only a hint: the engine
+    allocates with ``try_alloc``, decided under the pool's lock. ``alloc`` raises
+    :class:`PoolExhausted` when too few pages are free.
 
     >>> from tandem.rdma.plan import ModelSpec
     >>> pool = SharedKVPool.create(PoolSpec("doc-alloc", (ModelSpec("t", 1, 1, 4, 2, "uint8"),), 4))
@@ -292,6 +404,11 @@ class SharedPageAllocator:
     def can_alloc(self, n: int) -> bool:
         return n <= self.pool.num_free
 
+    def try_alloc(self, n: int) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        return self.pool.try_alloc(n)
+
     def alloc(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
@@ -305,6 +422,6 @@ __all__ = [
     "SharedKVPool", "SharedPageAllocator", "PoolSpec", "PoolStats", "SlotStatus",
     "PoolError", "PoolExhausted", "ReservationGone", "SHM_DIR",
     "FREE", "RESERVED", "READY", "FAILED", "STATE_NAMES",
-    "OK", "TIMEOUT", "SENDER_ERROR", "UNCLAIMED", "OWNER_DIED", "CANCELLED",
+    "OK", "TIMEOUT", "SENDER_ERROR", "UNCLAIMED", "OWNER_DIED", "CANCELLED", "INJECTED",
     "FAILURE_REASONS", "FAILURE_CODES",
 ]

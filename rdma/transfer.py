@@ -40,6 +40,8 @@ class Transfer:
         self.started_at = time.monotonic()
         self.finished_at: float | None = None
         self.pending_context = None
+        self.nonce, self.open_deadline = 0, 0.0   # the Open awaiting the receiver's answer
+        self.drop_after: int | None = None        # fault injection: abandon after this many sends
         ps = plan.models[0].page_size
         self._rows, self._final, self._ptr, self._final_tokens = [], [], [], []
         total = 0

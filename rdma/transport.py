@@ -8,8 +8,19 @@ transport burns no CPU.
 
 Data endpoints are created from worker addresses with peer-failure error handling
 *off*: that is what lets UCX pick the shared-memory transports (CMA zero-copy
-rendezvous on one host, ~10x faster than tcp/lo here). Peer death is therefore
-detected by the messenger's own timeouts, not by UCX.
+rendezvous on one host, ~10x faster than tcp/lo here). Each side also keeps an
+error-handled *watch* endpoint to its peer (:meth:`Transport.watch`): UCX reports the
+peer's death on it within milliseconds, which is how a rendezvous receive from a dead
+sender — which over TCP would never complete — is given up safely (the sender, dead,
+can write nothing more), and how a sender learns its receiver died. Watch endpoints
+live on a second worker of the same context: UCX pairs endpoints two workers create
+to each other, and refuses a pair whose error handling differs, so the two kinds
+must never be created between the same two workers.
+
+Which network interfaces the worker listens on is :func:`ucx_config`'s
+``net_devices``: loopback (``lo``) by default, so a single-host server exposes no
+UCX port; multi-host serving names its interfaces (``eth0``, ``mlx5_0:1``) or
+``all``.
 
 >>> t = Transport("doc")
 >>> t.call(lambda: len(t.address) > 0)
@@ -33,6 +44,21 @@ from ucxx._lib.arr import Array
 log = logging.getLogger(__name__)
 
 Done = Callable[[Exception | None], None]
+
+DEFAULT_NET_DEVICES = "lo"
+
+
+def ucx_config(net_devices: str | None = None) -> dict:
+    """UCX context settings for a transport: ``net_devices`` (comma-separated UCX
+    device names, ``all`` for UCX's own choice, None or "" for the default ``lo``)
+    restricts the network devices UCX listens and connects on. Shared-memory
+    transports are not network devices and stay available on one host.
+
+    >>> ucx_config(), ucx_config("all"), ucx_config("eth0,lo")
+    ({'NET_DEVICES': 'lo'}, {}, {'NET_DEVICES': 'eth0,lo'})
+    """
+    devices = (net_devices or DEFAULT_NET_DEVICES).strip()
+    return {} if devices == "all" else {"NET_DEVICES": devices}
 
 
 class TransportClosed(RuntimeError):
@@ -59,7 +85,11 @@ class Transport:
         self._stop = False
         self._inflight: dict[object, collections.deque] = {}
         self._endpoints: dict[bytes, object] = {}
+        self._watched: dict[bytes, object] = {}
         self._scratch = bytearray(64)
+        self._abandoned: list = []
+        self._watch_worker = None
+        self._workers: list = []
         self.max_discard_bytes = 64 << 20
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -113,13 +143,40 @@ class Transport:
             self._endpoints[address] = ep
         return ep
 
+    def watch(self, address: bytes, on_lost: Callable[[bytes], None]):
+        """An error-handled endpoint to a peer (cached, on the watch worker), for control
+        messages: when the peer dies (or closes) ``on_lost(address)`` runs soon after,
+        on this thread."""
+        ep = self._watched.get(address)
+        if ep is None:
+            if self._watch_worker is None:
+                self._watch_worker = ucx_api.UCXWorker(self._ctx)
+                self._watch_worker.init_blocking_progress_mode()
+                self._workers.append(self._watch_worker)
+            ep = self._watch_worker.create_endpoint_from_worker_address(
+                ucx_api.UCXAddress.create_from_buffer(address), True)
+            # UCX calls back from inside progress: only queue the work
+            ep.set_close_callback(lambda *_: self._cmds.append(lambda: self._lost(address,
+                                                                                 on_lost)))
+            self._watched[address] = ep
+        return ep
+
+    def _lost(self, address: bytes, on_lost) -> None:
+        # dropped, not closed: ucxx 0.50 crashes closing an endpoint that errored
+        if self._watched.pop(address, None) is not None:
+            on_lost(address)
+
     def drop_endpoint(self, address: bytes) -> None:
         ep = self._endpoints.pop(address, None)
         if ep is not None:
-            try:
-                ep.close()
-            except Exception as e:  # noqa: BLE001 - closing a dead peer's endpoint
-                log.debug("closing endpoint: %s", e)
+            self._close_ep(ep)
+
+    @staticmethod
+    def _close_ep(ep) -> None:
+        try:
+            ep.close()
+        except Exception as e:  # noqa: BLE001 - closing a dead peer's endpoint
+            log.debug("closing endpoint: %s", e)
 
     def send(self, ep, buf, tag: int, key, on_done: Done) -> None:
         """Tagged send of a contiguous buffer (kept alive until ``on_done``)."""
@@ -145,9 +202,25 @@ class Transport:
         req = self._worker.tag_recv_with_handle(Array(buf), probe)
         self._track("discard", req, self._scratch, lambda err: None)
 
+    def tick_soon(self) -> None:
+        """Run ``on_tick`` at the next turn of the loop (it may want a shorter period
+        now, e.g. a reservation became live)."""
+        self._next_tick = 0.0
+
     def forget(self, key) -> None:
         """Stop tracking a dead peer's requests (they will never complete)."""
         self._inflight.pop(key, None)
+
+    def abandon(self, key) -> int:
+        """Stop tracking ``key``'s requests without completing them (their peer is dead
+        or gave up); their buffers stay referenced here, so a late completion can never
+        touch freed Python memory. Returns how many were abandoned."""
+        q = self._inflight.pop(key, None)
+        if not q:
+            return 0
+        self._abandoned.extend((req, buf) for req, buf, _ in q)
+        del self._abandoned[:-65536]   # bounded; only page receives (views of the pool's
+        return len(q)                  # mapping, never Python memory) are abandoned
 
     def inflight(self, key) -> int:
         q = self._inflight.get(key)
@@ -187,41 +260,43 @@ class Transport:
                 self._config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._ctx)
             self._worker.init_blocking_progress_mode()
+            self._workers.append(self._worker)
             self.address = bytes(self._worker.address.tobytes())
         except BaseException as e:  # noqa: BLE001 - reported to the constructor
             self._error = e
             self._ready.set()
             return
         self._ready.set()
-        epoll_fd = self._worker.epoll_file_descriptor
-        next_tick = time.monotonic()
+        self._next_tick = time.monotonic()
         try:
             while not self._stop:
                 busy = self._run_commands()
-                while self._worker.progress_once():
-                    busy = True
+                for worker in self._workers:
+                    while worker.progress_once():
+                        busy = True
                 if self.on_message is not None:
                     busy |= self._probe()
                 if self._inflight:
                     busy |= self._reap()
                 now = time.monotonic()
-                if now >= next_tick:
+                if now >= self._next_tick:
                     wanted = None
                     if self.on_tick is not None:
                         try:
                             wanted = self.on_tick(now)
                         except Exception:
                             log.exception("transport tick failed")
-                    next_tick = now + (self.idle_tick_s if wanted is None else wanted)
+                    self._next_tick = now + (self.idle_tick_s if wanted is None else wanted)
                 if busy or self._cmds:
                     continue
-                if not self._worker.arm():
+                if not all(worker.arm() for worker in self._workers):
                     continue
-                timeout = max(0.0, next_tick - now)
+                timeout = max(0.0, self._next_tick - now)
                 if self._inflight:
                     # a safety net: some completions raise no epoll event
                     timeout = min(timeout, 0.01)
-                ready, _, _ = select.select([epoll_fd, self._wake], [], [], timeout)
+                fds = [w.epoll_file_descriptor for w in self._workers]
+                ready, _, _ = select.select([*fds, self._wake], [], [], timeout)
                 if self._wake in ready:
                     try:
                         os.eventfd_read(self._wake)
@@ -258,8 +333,11 @@ class Transport:
     def _shutdown(self) -> None:
         for address in list(self._endpoints):
             self.drop_endpoint(address)
+        for ep in self._watched.values():
+            ep.remove_close_callback()
+        self._watched.clear()   # dropped, not closed (see _lost)
         for _ in range(10):
-            if not self._worker.progress_once():
+            if not any([w.progress_once() for w in self._workers]):
                 break
         self._inflight.clear()
 
@@ -270,8 +348,9 @@ class Messenger:
 
     _transport: Transport
 
-    def _open(self, name: str) -> None:
-        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick)
+    def _open(self, name: str, net_devices: str | None = None) -> None:
+        self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick,
+                                    ucx_config=ucx_config(net_devices))
 
     @property
     def address(self) -> bytes:

@@ -3,14 +3,16 @@ transfer (:mod:`tandem.rdma`), with no Triton in it. Names load on first use.
 
 - :mod:`.pool` — the decode pool's geometry, derived from the checkpoint
 - :mod:`.prefill_service` — the prefill engine on its own thread, streaming KV
-- :mod:`.decode` — the decode engine on the shared pool; tickets over reservations
+- :mod:`.decode` — the decode engine on the shared pool; tickets over reservations;
+  the pool's housekeeping in decode
 - :mod:`.kv_views` — engine page pools over the shared pool, and as a sender's sources
 """
 from ..lazy import lazy_exports
 
-_EXPORTS = {"SharedPoolTicket": ".decode", "decode_engine": ".decode", "CONTEXT": ".pool",
-            "TARGET": ".pool", "context_nbytes": ".pool", "decode_pool_spec": ".pool",
-            "open_or_create": ".pool", "server_pool_name": ".pool",
+_EXPORTS = {"SharedPoolTicket": ".decode", "PoolHousekeeper": ".decode",
+            "decode_engine": ".decode", "CONTEXT": ".pool", "TARGET": ".pool",
+            "context_nbytes": ".pool", "decode_pool_spec": ".pool", "default_headroom": ".pool",
+            "lookahead_slots": ".pool", "open_or_create": ".pool", "server_pool_name": ".pool",
             "PrefillService": ".prefill_service"}
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,27 +1,55 @@
-"""The decode side: the engine on the shared decode pool, and the ticket through which
-it learns that a reservation's KV arrived.
+"""The decode side: the engine on the shared decode pool, the ticket through which it
+learns that a reservation's KV arrived, and the pool housekeeping decode runs too.
 """
 from __future__ import annotations
 
-from tandem.rdma import ReservationGone, SharedKVPool, SharedPageAllocator
+import logging
+import threading
+
+from tandem.rdma import DestinationDescriptor, ReservationGone, SharedKVPool, SharedPageAllocator
+from tandem.rdma.descriptor import check_for_pool
+from tandem.rdma.wire import MalformedMessage
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.remote_prefill import KVTransferFailed
 from .kv_views import shared_page_pool
 from .pool import TARGET
 
+log = logging.getLogger(__name__)
+
 
 class SharedPoolTicket:
-    """A reservation (slot, generation) of the shared pool, seen by the decoder.
+    """A reservation (slot, generation) of the shared pool, seen by the decoder; its
+    secret is what entitles the decoder to the pages.
 
     Polling reads the slot's counter state without a lock; only when the slot is READY
-    does :meth:`poll` take the lock to claim the pages.
+    does :meth:`poll` take the lock to claim the pages. :meth:`cancel` gives the
+    reservation up at once (the receiver stops taking its data and tells the sender).
     """
 
-    __slots__ = ("pool", "slot", "generation")
+    __slots__ = ("pool", "slot", "generation", "secret")
 
-    def __init__(self, pool: SharedKVPool, slot: int, generation: int):
-        self.pool, self.slot, self.generation = pool, slot, generation
+    def __init__(self, pool: SharedKVPool, slot: int, generation: int, secret: bytes | None = None):
+        self.pool, self.slot, self.generation, self.secret = pool, slot, generation, secret
+
+    @classmethod
+    def for_descriptor(cls, pool: SharedKVPool, data: bytes,
+                       prompt_len: int | None = None) -> "SharedPoolTicket":
+        """The ticket of a descriptor that arrived as bytes, after every check: it
+        parses within its limits, points into this pool (slot, page ids, models,
+        sharding, context), holds ``prompt_len - 1`` tokens (when given), and names a
+        reservation of this pool by its secret. Raises ``ValueError`` (a
+        :class:`MalformedMessage`) saying what is wrong; no plan is built and nothing
+        is touched."""
+        d = DestinationDescriptor.from_bytes(data)
+        check_for_pool(d, pool.spec)
+        if prompt_len is not None and d.num_tokens != prompt_len - 1:
+            raise MalformedMessage(f"the reservation holds {d.num_tokens} tokens; this prompt "
+                                   f"of {prompt_len} prefills {prompt_len - 1}")
+        if not pool.verify(d.slot, d.generation, d.secret):
+            raise MalformedMessage(f"no reservation {d.slot}/{d.generation} of this pool has "
+                                   "that secret")
+        return cls(pool, d.slot, d.generation, d.secret)
 
     def poll(self) -> list[int] | None:
         st = self.pool.poll(self.slot, self.generation)
@@ -31,18 +59,47 @@ class SharedPoolTicket:
         if not st.ready:
             return None
         try:
-            return self.pool.claim(self.slot, self.generation)
+            return self.pool.claim(self.slot, self.generation, self.secret)
         except ReservationGone as e:
             raise KVTransferFailed(str(e), "gone") from None
 
     def cancel(self) -> None:
-        # Pages with receives still in flight are the receiver's to free: leave an
-        # unfinished reservation to its lease (it fails as unclaimed or timed out).
-        if self.pool.poll(self.slot, self.generation).ready:
+        """Free a READY reservation now; ask the receiver to end a RESERVED one (it
+        frees the pages as soon as no receive into them is in flight, and aborts the
+        prefill)."""
+        if self.secret is not None:
+            self.pool.cancel(self.slot, self.generation, self.secret)
+        elif self.pool.poll(self.slot, self.generation).ready:
             try:
                 self.pool.free(self.pool.claim(self.slot, self.generation))
             except ReservationGone:
                 pass
+
+
+class PoolHousekeeper:
+    """A thread that runs :meth:`SharedKVPool.housekeep` every ``every_s``: a dead
+    kv_transfer's reservations fail (its pages come back) and unclaimed ones expire
+    even when no kv_transfer is alive to do it."""
+
+    def __init__(self, pool: SharedKVPool, every_s: float = 1.0):
+        self.pool, self.every_s = pool, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-pool-housekeeper",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                if self.pool.housekeep():
+                    log.warning("shared KV pool: reclaimed the reservations and pages of a "
+                                "process that died")
+            except Exception:
+                log.exception("shared KV pool housekeeping failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_args) -> AsyncEngine:

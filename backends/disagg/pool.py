@@ -22,18 +22,44 @@ def context_nbytes(model_dir: str, dtype: str) -> int:
 
 def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_layout: str,
                      num_pages: int, num_slots: int = 256,
-                     speculative: SpeculativeConfig | None = None) -> PoolSpec:
+                     speculative: SpeculativeConfig | None = None,
+                     headroom_pages: int | None = 0, max_num_seqs: int = 64) -> PoolSpec:
     """``name`` keys the shared-memory files: include model name, version and instance.
     With speculation the proposer's KV (draft model or MTP head) sits next to the
-    target's under the same page ids, and one reservation carries both."""
+    target's under the same page ids, and one reservation carries both.
+
+    ``headroom_pages`` stay free of reservations for the decoder's running sequences
+    (None: :func:`default_headroom`)."""
     def kv(kv_name, cfg):
         return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                          page_size, dtype, kv_layout)
     models = (kv(TARGET, ModelConfig.from_dir(model_dir)),)
     if speculative is not None and speculative.enabled:
         models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
+    if headroom_pages is None:
+        headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)
     return PoolSpec(name, models, num_pages, num_slots=num_slots,
-                    context_bytes=context_nbytes(model_dir, dtype))
+                    context_bytes=context_nbytes(model_dir, dtype),
+                    headroom_pages=min(headroom_pages, num_pages - 1))
+
+
+def lookahead_slots(speculative: SpeculativeConfig | None) -> int:
+    """Token slots a decoding sequence holds beyond its tokens (the engine's rule)."""
+    if speculative is None or not speculative.enabled:
+        return 0
+    return speculative.num_speculative_tokens + 1
+
+
+def default_headroom(num_pages: int, page_size: int, max_num_seqs: int,
+                     speculative: SpeculativeConfig | None = None) -> int:
+    """Pages that let every running sequence grow by one page (and its speculative
+    lookahead) without waiting for admissions, at most a quarter of the pool.
+
+    >>> default_headroom(4096, 16, 64), default_headroom(40, 4, 8)
+    (64, 8)
+    """
+    per_seq = -(-(1 + lookahead_slots(speculative)) // page_size)
+    return min(max_num_seqs * per_seq, num_pages // 4)
 
 
 def server_pool_name(tag: str = "decode") -> str:
@@ -43,15 +69,15 @@ def server_pool_name(tag: str = "decode") -> str:
     return f"tandem-kv-{os.getppid()}-{tag}"
 
 
-def open_or_create(spec: PoolSpec, timeout_s: float = 120.0):
-    """kv_transfer and decode load in parallel: whichever comes first creates the pool."""
-    from tandem.rdma import SharedKVPool
+def open_or_create(spec: PoolSpec, timeout_s: float = 120.0, server_pid: int | None = None):
+    """kv_transfer and decode load in parallel: whichever comes first creates the pool.
+    It belongs to the tritonserver they run under (their parent, ``server_pid``): a
+    pool file of the same name left by a dead server is replaced, one a live server
+    uses is refused (:meth:`tandem.rdma.SharedKVPool.open_or_create`)."""
+    import os
+
+    from tandem.rdma import PoolError, SharedKVPool
     try:
-        return SharedKVPool.create(spec)
-    except FileExistsError:
-        pool = SharedKVPool.open(spec.name, timeout_s=timeout_s)
-    if pool.spec.models != spec.models or pool.spec.num_pages != spec.num_pages:
-        pool.close(release=False)
-        raise ValueError(f"shared KV pool {spec.name!r} exists with another geometry "
-                         f"({pool.spec}); expected {spec}")
-    return pool
+        return SharedKVPool.open_or_create(spec, server_pid or os.getppid(), timeout_s)
+    except PoolError as e:
+        raise ValueError(str(e)) from None

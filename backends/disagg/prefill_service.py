@@ -9,6 +9,12 @@ blob, and reports completion on its own thread — which only queues the page re
 onto the engine thread (the allocator is not thread-safe). ``on_done(error)`` runs
 when every send completed (``None``) or the transfer failed (a message).
 
+A descriptor is held against this prefill's own pools in :meth:`PrefillService.submit`
+(the caller's thread): a forged or mismatched one is refused there, alone, before any
+plan is built. A transfer the decode side ends — the request was cancelled, its
+reservation timed out or was refused — aborts that request's prefill: nothing is
+computed for nobody.
+
 >>> svc = PrefillService(EngineConfig("checkpoints/demo/target"))   # doctest: +SKIP
 >>> svc.start(); svc.submit(desc, prompt_ids, on_done=print)         # doctest: +SKIP
 """
@@ -39,7 +45,11 @@ class PrefillService(PrefillHooks):
             name = self.engine.proposer_name
             pools[name] = source_pool(name, self.engine.proposer.pool)
         self.kv_names = list(pools)
+        model = self.engine.model
+        # the one context blob: the last prefilled token's hidden state
+        self.context_nbytes = model.config.hidden_size * model.embed_tokens.weight.element_size()
         self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
+        self._faults = self.sender.config.faults
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
         self._transfers: dict[str, object] = {}
         self._inbox = Inbox()
@@ -66,8 +76,16 @@ class PrefillService(PrefillHooks):
             raise ValueError(f"the reservation is for the KV of {[m.name for m in desc.models]}; "
                              f"this prefill produces {self.kv_names} (do both sides speculate "
                              f"alike?)")
+        self.sender.check(desc, (self.context_nbytes,))
         rid = f"prefill-{next(self._ids)}"
-        self._inbox.post("add", rid, (desc, list(prompt_ids), on_done))
+        job = ("add", rid, (desc, list(prompt_ids), on_done))
+        delay = self._faults.prefill_delay_s() if self._faults is not None else 0.0
+        if delay:
+            timer = threading.Timer(delay, self._inbox.post, job)
+            timer.daemon = True
+            timer.start()
+        else:
+            self._inbox.post(*job)
         return rid
 
     # -- messenger thread -----------------------------------------------------------------
@@ -76,18 +94,24 @@ class PrefillService(PrefillHooks):
 
     # -- engine thread: hooks -------------------------------------------------------------
     def on_admit(self, req: PrefillRequest) -> None:
-        desc, _ = self._jobs[req.request_id]
-        self._transfers[req.request_id] = self.sender.begin(
-            desc, req.pages, on_done=lambda t, rid=req.request_id: self._transfer_done(rid, t))
+        rid = req.request_id
+        desc, _ = self._jobs[rid]
+        try:
+            self._transfers[rid] = self.sender.begin(
+                desc, req.pages, on_done=lambda t, rid=rid: self._transfer_done(rid, t))
+        except Exception as e:   # this request alone; it is aborted after the step
+            log.exception("request %s: its KV transfer could not start", rid)
+            self._inbox.post("fail", rid, f"the KV transfer could not start ({e})")
 
     def before_forward(self, chunks, model=TARGET):
-        live = {self._transfers[r.request_id]: end for r, end in chunks}
+        live = {self._transfers[r.request_id]: end for r, end in chunks
+                if r.request_id in self._transfers}
         live = {t: end for t, end in live.items() if not t.done}   # failed ones: nothing to send
         return self.sender.step(model, live).layer_done if live else None
 
     def on_prefilled(self, req: PrefillRequest) -> None:
-        t = self._transfers[req.request_id]
-        if t.plan.context_nbytes and not t.done:
+        t = self._transfers.get(req.request_id)
+        if t is not None and t.plan.context_nbytes and not t.done:
             self.sender.send_context(t, [req.hidden])
 
     # -- engine thread: loop --------------------------------------------------------------
@@ -99,6 +123,8 @@ class PrefillService(PrefillHooks):
             for kind, rid, obj in items:
                 if kind == "add":
                     self._add(rid, *obj)
+                elif kind == "fail":
+                    self._abort(rid, obj)
                 else:
                     self._finish(rid, obj)
             try:

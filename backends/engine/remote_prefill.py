@@ -31,7 +31,9 @@ class KVTicket(Protocol):
         raises :class:`KVTransferFailed` when it never will."""
 
     def cancel(self) -> None:
-        """The request went away: give the pages back (now, or when they arrive)."""
+        """The request went away: give the reservation up now (its pages come back at
+        once, or as soon as no receive into them is in flight) and let the prefill
+        side learn it, so it stops computing for nobody."""
 
 
 class PendingPrefills:
@@ -60,11 +62,15 @@ class PendingPrefills:
         for rid, (seq, ticket) in list(self._waiting.items()):
             try:
                 pages = ticket.poll()
-            except KVTransferFailed as e:
+            except Exception as e:   # this request's KV will not come: it alone ends
+                if not isinstance(e, KVTransferFailed):
+                    log.exception("request %s: polling its KV transfer failed", rid)
+                    e = KVTransferFailed(f"the KV transfer could not be checked ({e})", "error")
                 log.warning("request %s: %s", rid, e)
                 del self._waiting[rid]
                 self.failures[e.reason] = self.failures.get(e.reason, 0) + 1
-                self._failed.append(_ended(seq, "error", error=str(e)))
+                # the server's failure, not the request's: a retry may well succeed
+                self._failed.append(_ended(seq, "error", error=f"{e}; retry", code="UNAVAILABLE"))
                 continue
             if pages is not None:
                 del self._waiting[rid]
@@ -80,9 +86,13 @@ class PendingPrefills:
         if entry is None:
             return None
         seq, ticket = entry
-        ticket.cancel()
+        try:
+            ticket.cancel()
+        except Exception:   # the request ends anyway; its reservation's lease reclaims it
+            log.exception("request %s: cancelling its KV transfer failed", request_id)
         return _ended(seq, "abort")
 
 
-def _ended(seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
-    return RequestOutput(seq.request_id, [], "", True, reason, len(seq.prompt_ids), 0, error)
+def _ended(seq: Sequence, reason: str, error: str | None = None,
+           code: str | None = None) -> RequestOutput:
+    return RequestOutput(seq.request_id, [], "", True, reason, len(seq.prompt_ids), 0, error, code)

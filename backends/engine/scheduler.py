@@ -98,9 +98,12 @@ class Scheduler:
         need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
         if need <= 0:
             return True
-        if not self.allocator.can_alloc(need):
+        # decided and taken in one step: a shared pool's pages may go to another
+        # process between a check and an alloc
+        pages = self.allocator.try_alloc(need)
+        if pages is None:
             return False
-        seq.pages.extend(self.allocator.alloc(need))
+        seq.pages.extend(pages)
         return True
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

@@ -16,8 +16,13 @@ class OutOfPages(RuntimeError):
 
 @runtime_checkable
 class KVAllocator(Protocol):
-    """All-or-nothing allocation of page ids ``0 .. num_pages-1``. Callers ask
-    ``can_alloc(n)`` first; ``alloc`` raises when there are not ``n`` free pages."""
+    """All-or-nothing allocation of page ids ``0 .. num_pages-1``.
+
+    ``try_alloc(n)`` is the one to allocate with: it decides and takes in one step
+    (``None`` when fewer than ``n`` are free). With a pool shared between processes
+    (the decode pool, which kv_transfer reserves from) ``can_alloc`` is only a hint —
+    another process may take the pages in between — and ``alloc`` raises
+    :class:`OutOfPages` (or the pool's own error) when there are not ``n`` free."""
     num_pages: int
 
     @property
@@ -27,6 +32,8 @@ class KVAllocator(Protocol):
     def num_used(self) -> int: ...
 
     def can_alloc(self, n: int) -> bool: ...
+
+    def try_alloc(self, n: int) -> list[int] | None: ...
 
     def alloc(self, n: int) -> list[int]: ...
 
@@ -60,6 +67,9 @@ class PageAllocator:
 
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        return self.alloc(n) if n <= len(self._free) else None
 
     def alloc(self, n: int) -> list[int]:
         if n < 0:

@@ -7,6 +7,12 @@ pool (which kv_transfer receives into), and a request with a ``kv_descriptor`` i
 submitted as prefilled — the engine admits it when the reservation's counter
 completes (polled without blocking the batch), then runs the last prompt token as a
 decode token and samples the first output token.
+
+A descriptor is checked whole before the engine sees it (limits, this pool's slot
+range, page ids and geometry, and the reservation's secret): a forged or stale one is
+refused, alone, with INVALID_ARG. A request that goes away gives its reservation up at
+once. Decode also runs the pool's housekeeping, so a dead kv_transfer's reservations
+fail and its pages come back without it.
 """
 from __future__ import annotations
 
@@ -18,9 +24,10 @@ from .llm_model import TritonPythonModel as _StreamingModel
 
 class TritonPythonModel(_StreamingModel):
     def _make_engine(self, s):
-        from tandem.backends.disagg import decode_engine, open_or_create
+        from tandem.backends.disagg import PoolHousekeeper, decode_engine, open_or_create
 
         self.pool = open_or_create(pool_spec(s))
+        self.housekeeper = PoolHousekeeper(self.pool)
         return decode_engine(self.pool, s.model_dir, dtype=s.dtype,
                              max_num_seqs=s.max_num_seqs,
                              max_num_batched_tokens=s.max_num_batched_tokens,
@@ -32,18 +39,26 @@ class TritonPythonModel(_StreamingModel):
 
     def _submit(self, request, parsed, on_output) -> str:
         from tandem.backends.disagg import SharedPoolTicket
-        from tandem.rdma import DestinationDescriptor
 
         desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
         params = parsed.sampling_params()
         if desc == NO_TRANSFER:
             return self.engine.submit(parsed.prompt, params, on_output)
-        d = DestinationDescriptor.from_bytes(desc)
-        return self.engine.submit_prefilled(parsed.prompt, params,
-                                            SharedPoolTicket(self.pool, d.slot, d.generation), on_output)
+        try:
+            ticket = SharedPoolTicket.for_descriptor(self.pool, desc, len(parsed.prompt))
+        except ValueError as e:
+            raise ValueError(f"kv_descriptor: {e}") from None
+        try:
+            return self.engine.submit_prefilled(parsed.prompt, params, ticket, on_output)
+        except BaseException:
+            ticket.cancel()   # refused here: its pages must not wait for the lease
+            raise
 
     def finalize(self) -> None:
         super().finalize()
+        housekeeper = getattr(self, "housekeeper", None)
+        if housekeeper is not None:
+            housekeeper.stop()
         pool = getattr(self, "pool", None)
         if pool is not None:
             # the last process attached removes the files (another version may still use them)

@@ -2,13 +2,20 @@
 
 It creates (or maps) the server's shared decode pool and runs a
 :class:`~tandem.rdma.KVReceiver` on it. Per request it reserves un-evictable pages for
-``input_ids[:-1]`` plus the context blob, arms the reservation's counter, and
-returns the destination descriptor (``kv_descriptor``) for prefill; receives run on
-the receiver's own thread. An unclaimed or unfed reservation is reclaimed by lease.
+``input_ids[:-1]`` plus the context blob, draws the reservation's secret, arms its
+counter, and returns the destination descriptor (``kv_descriptor``) for prefill;
+receives run on the receiver's own thread. An unclaimed or unfed reservation is
+reclaimed by lease.
 
 It is the gate before any page is reserved: it checks the whole token request with
-the parser ``decode`` uses (:func:`parse_token_request`), so a request that decode
-would refuse never holds pages — in ``tandem_tokens`` no step before it checks them.
+the parser ``decode`` uses (:func:`parse_token_request`), and that the request can ever
+fit the pool (prompt + ``max_tokens``: INVALID_ARG), so a request that decode would
+refuse never holds pages. A pool that is merely full answers UNAVAILABLE ("retry
+later").
+
+Unloading (a version roll or a reload) drains: the old instance takes no new
+reservations, keeps receiving for the ones in flight until they are claimed or fail
+(at most ``kv_drain_s``), then closes; the new instance attaches to the same pool.
 """
 from __future__ import annotations
 
@@ -26,17 +33,24 @@ from .settings import EngineSettings, model_limits
 
 class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
-        from tandem.backends.disagg import open_or_create
-        from tandem.rdma import KVReceiver
+        from tandem.backends.disagg import lookahead_slots, open_or_create
+        from tandem.rdma import KVReceiver, ReceiverConfig
 
         name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
+        self.settings = s
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
+        self.lookahead = lookahead_slots(s.speculative())
         self.metrics = TransferMetrics(name, version)
-        self.receiver = KVReceiver(self.pool, name="kv_transfer", on_ready=self.metrics.on_ready)
+        config = ReceiverConfig(timeout_s=float(s.kv_transfer_timeout_s),
+                                net_devices=s.net_devices, faults=s.fault_plan())
+        self.receiver = KVReceiver(self.pool, config, name="kv_transfer",
+                                   on_ready=self.metrics.on_ready)
         self.metrics_poller = Poller(lambda: self.metrics.poll_receiver(self.receiver.stats, self.pool))
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
+        if config.faults is not None:
+            pb_utils.Logger.log_warn(f"[kv_transfer] fault injection is on: {config.faults}")
 
     def respond(self, request):
         from tandem.rdma import PoolExhausted
@@ -44,20 +58,47 @@ class TritonPythonModel(PerRequestModel):
         get = input_getter(request)
 
         try:
-            n = len(parse_token_request(get, self.vocab_size, self.max_model_len).prompt)
+            parsed = parse_token_request(get, self.vocab_size, self.max_model_len)
+            n = len(parsed.prompt)
+            self._check_fits(n, parsed.max_tokens)
         except RequestError as e:
-            return error_response(str(e))
+            return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         try:
             desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
         except PoolExhausted as e:
             return error_response(
                 f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
+        except ValueError as e:
+            return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
 
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse what the pool can never hold (decode would refuse it after the
+        prefill): the whole sequence in the pool, its prompt in one reservation."""
+        from tandem.rdma.plan import pages_needed
+
+        spec, page_size = self.pool.spec, self.pool.spec.models[0].page_size
+        need = pages_needed(prompt_len + max_tokens + self.lookahead, page_size)
+        if need > spec.num_pages:
+            raise RequestError("max_tokens", f"the prompt ({prompt_len} tokens) + max_tokens "
+                               f"({max_tokens}) need {need} KV pages; the decode pool has "
+                               f"{spec.num_pages} (lower max_tokens, or serve with more num_pages)")
+        prompt_pages = pages_needed(max(prompt_len - 1, 1), page_size)
+        if prompt_pages > self.pool.max_reservable_pages():
+            raise RequestError("input_ids", f"the prompt needs {prompt_pages} KV pages; a "
+                               f"reservation can hold {self.pool.max_reservable_pages()} "
+                               "(the pool less what running sequences keep)")
+
     def finalize(self) -> None:
         receiver, pool = getattr(self, "receiver", None), getattr(self, "pool", None)
+        if receiver is not None:
+            # a version roll: the transfers this instance started finish (or fail) first
+            drained = receiver.drain(float(self.settings.kv_drain_s))
+            if not drained:
+                pb_utils.Logger.log_warn(f"[kv_transfer] transfers still in flight after "
+                                         f"{self.settings.kv_drain_s}s of draining; they fail")
         poller = getattr(self, "metrics_poller", None)
         if poller is not None:
             poller.stop()

@@ -9,6 +9,12 @@ With the ``prefill_endpoints`` parameter (``tandem serve --prefill-endpoints``) 
 model computes nothing: it forwards each job to the ``prefill`` model of a prefill
 server (``tandem serve --mode prefill``), which streams the KV over UCX straight into
 this server's reserved pages (:class:`~tandem.backends.triton.prefill_router.PrefillRouter`).
+
+A descriptor is hostile until checked: it is parsed within fixed limits (no plan is
+built) and held against this prefill's own pools before the job is accepted; a
+forged one is refused with INVALID_ARG, and one that names another request's
+reservation without its secret is refused by the receiver, which ends only that
+transfer (and with it this prefill).
 """
 from __future__ import annotations
 
@@ -34,12 +40,17 @@ class TritonPythonModel(PerRequestModel):
         import torch
 
         from tandem.backends.disagg import PrefillService
+        from tandem.rdma import SenderConfig
 
         torch.set_num_threads(s.threads)
         # num_pages sizes the decode pool; the prefill's own pool takes the default.
         # With speculation the prefill fills the proposer's KV too (the decoder expects it)
-        self.service = PrefillService(s.engine_config(num_pages=None))
+        sender = SenderConfig(timeout_s=float(s.kv_transfer_timeout_s) + 5.0,
+                              net_devices=s.net_devices, faults=s.fault_plan())
+        self.service = PrefillService(s.engine_config(num_pages=None), sender)
         self.service.start()
+        if sender.faults is not None:
+            pb_utils.Logger.log_warn(f"[prefill] fault injection is on: {sender.faults}")
 
     def respond(self, request):
         from tandem.rdma import DestinationDescriptor
@@ -50,14 +61,14 @@ class TritonPythonModel(PerRequestModel):
         desc = desc_arr.tobytes()
         if desc != NO_TRANSFER:
             try:
+                d = DestinationDescriptor.from_bytes(desc)   # bounded: refused before any plan
                 if self.router is not None:
                     self.router.submit(ids_arr, desc_arr)
                 else:
-                    self.service.submit(DestinationDescriptor.from_bytes(desc), token_ids(ids_arr),
-                                        _log_failure)
+                    self.service.submit(d, token_ids(ids_arr), _log_failure)
             except (MalformedMessage, ValueError) as e:
                 return error_response(
-                    f"kv_descriptor: {e}", pb_utils.TritonError.INTERNAL)
+                    f"kv_descriptor: {e}", pb_utils.TritonError.INVALID_ARG)
             except RuntimeError as e:   # PrefillUnavailable: every prefill server failed
                 return error_response(
                     str(e), pb_utils.TritonError.UNAVAILABLE)

@@ -20,7 +20,10 @@ from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION
                                   SpeculativeConfig)
 
 STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
-                 "prefill_endpoints")
+                 "prefill_endpoints", "kv_net_devices", "faults")
+# environment fallbacks of the KV transfer's settings (a parameter in config.pbtxt wins)
+ENV_NET_DEVICES = "TANDEM_KV_NET_DEVICES"
+ENV_FAULTS = "TANDEM_FAULTS"
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +42,12 @@ class EngineSettings:
     draft_model: str = ""
     mtp_head: str = ""
     prefill_endpoints: str = ""           # "host:port,...": prefill servers (prefill forwards)
+    # the KV transfer (kv_transfer, prefill, decode)
+    kv_net_devices: str = ""              # UCX network devices; "": $TANDEM_KV_NET_DEVICES or lo
+    kv_headroom_pages: int | None = None  # pages reservations leave to running sequences; None: auto
+    kv_transfer_timeout_s: int = 10       # a reservation fed nothing this long fails
+    kv_drain_s: int = 30                  # an unloading kv_transfer waits this long for its transfers
+    faults: str = ""                      # fault injection (rdma/faults.py); "": $TANDEM_FAULTS
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":
@@ -72,6 +81,15 @@ class EngineSettings:
             raise ValueError(f"config.pbtxt: cancel_poll_ms={self.cancel_poll_ms}; allowed: an integer >= 1")
         if self.torch_threads < 0:
             raise ValueError(f"config.pbtxt: torch_threads={self.torch_threads}; allowed: >= 0 (0 = all cores)")
+        if self.kv_headroom_pages is not None and self.kv_headroom_pages < 0:
+            raise ValueError(f"config.pbtxt: kv_headroom_pages={self.kv_headroom_pages}; allowed: >= 0")
+        for name in ("kv_transfer_timeout_s", "kv_drain_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
+        try:
+            self.fault_plan()
+        except ValueError as e:
+            raise ValueError(f"config.pbtxt: faults: {e}") from None
 
     @property
     def engine_num_pages(self) -> int | None:
@@ -86,6 +104,16 @@ class EngineSettings:
             return None
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)
+
+    @property
+    def net_devices(self) -> str:
+        """The UCX network devices the KV transfer uses (loopback unless configured)."""
+        return self.kv_net_devices or os.environ.get(ENV_NET_DEVICES, "") or "lo"
+
+    def fault_plan(self):
+        """The faults to inject (``faults``, else ``$TANDEM_FAULTS``); None: none."""
+        from tandem.rdma.faults import Faults
+        return Faults.configured(self.faults or os.environ.get(ENV_FAULTS, ""))
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(self.model_dir, **(self.engine_kwargs() | overrides))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 from ..rdma import peers as rdma_peers
-from ..rdma.peers import Peer as _RdmaPeer, _ctx, pid, rx_reserve, rx_start, rx_stats  # noqa: F401
+from ..rdma.peers import (Peer as _RdmaPeer, _ctx, pid, pool_call, pool_open,  # noqa: F401
+                          rx_reserve, rx_start, rx_stats)
 
 _state: dict = {}
 
@@ -28,13 +29,15 @@ def shutdown() -> None:
     rdma_peers.reset()
 
 
-def prefill_start(model_dir: str, timeout_s: float = 15.0, **engine_args) -> None:
+def prefill_start(model_dir: str, timeout_s: float = 15.0, faults: str | None = None,
+                  **engine_args) -> None:
     from tandem.backends.disagg import PrefillService
     from tandem.backends.engine import EngineConfig
-    from tandem.rdma import SenderConfig
+    from tandem.rdma import Faults, SenderConfig
     if "prefill" in _state:
         _state.pop("prefill").shutdown()
-    svc = PrefillService(EngineConfig(model_dir, **engine_args), SenderConfig(timeout_s=timeout_s))
+    svc = PrefillService(EngineConfig(model_dir, **engine_args),
+                         SenderConfig(timeout_s=timeout_s, faults=Faults.parse(faults)))
     svc.start()
     _state["prefill"] = svc
 
@@ -54,6 +57,38 @@ def prefill_run(jobs, wait_s: float = 60.0) -> list:
         if not left.acquire(timeout=wait_s):
             raise TimeoutError(f"prefill did not finish within {wait_s}s: {results}")
     return results
+
+
+def prefill_submit(desc: bytes, ids: list[int]):
+    """Submit one job; returns the error ``submit`` raised (None: accepted)."""
+    from tandem.rdma import DestinationDescriptor
+    try:
+        _state["prefill"].submit(DestinationDescriptor.from_bytes(desc), ids, lambda e: None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def pool_reserve_churn(seconds: float, seed: int) -> tuple[int, int]:
+    """Reserve and fail at random for ``seconds``, as kv_transfer does under load;
+    returns (reservations made, refused because the pool was full)."""
+    import random
+    import time
+    from tandem.rdma import PoolExhausted
+    from tandem.rdma.shared_pool import CANCELLED
+    pool, rng = rdma_peers._state["pool"], random.Random(seed)
+    made = full = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            slot, gen, _ = pool.reserve(rng.randint(1, 6), 1, 30.0)
+        except PoolExhausted:
+            full += 1
+            continue
+        made += 1
+        time.sleep(0.0005)
+        pool.fail(slot, gen, CANCELLED)
+    return made, full
 
 
 def prefill_pages() -> tuple[int, int]:

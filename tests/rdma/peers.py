@@ -152,13 +152,21 @@ def pid() -> int:
 
 
 # receiver host ------------------------------------------------------------------------
-def rx_start(pool_name: str, fail_grace_s: float = 30.0, **config) -> bytes:
+def rx_start(pool_name: str, fail_grace_s: float = 30.0, faults: str | None = None,
+             **config) -> bytes:
+    """A receiver on the named pool (``faults``: a TANDEM_FAULTS string)."""
+    from tandem.rdma import Faults
     if "rx" in _state:
         _state.pop("rx").close()
         _state.pop("pool").close(release=False)
     _state["pool"] = SharedKVPool.open(pool_name, fail_grace_s=fail_grace_s)
-    _state["rx"] = KVReceiver(_state["pool"], ReceiverConfig(**config))
+    _state["rx"] = KVReceiver(_state["pool"], ReceiverConfig(faults=Faults.parse(faults),
+                                                             **config))
     return _state["rx"].address
+
+
+def rx_drain(timeout_s: float) -> bool:
+    return _state["rx"].drain(timeout_s)
 
 
 def rx_reserve(num_tokens: int, src=(1, 1), context_nbytes=(), seed: int = 0,
@@ -186,9 +194,11 @@ def rx_stats() -> dict:
 
 # sender ranks -------------------------------------------------------------------------
 def tx_start(models, num_pages: int, rank: int, scheme=(1, 1), seed: int = 0,
-             **config) -> bytes:
+             faults: str | None = None, **config) -> bytes:
     """A sender for ``rank`` of ``scheme`` whose pools hold the rank's heads of
-    :func:`full_kv` (seed + model index)."""
+    :func:`full_kv` (seed + model index); ``faults``: a TANDEM_FAULTS string."""
+    from tandem.rdma import Faults
+    config["faults"] = Faults.parse(faults)
     if "tx" in _state:
         _state.pop("tx").close()
     scheme = ShardScheme(*scheme)
@@ -261,6 +271,16 @@ def raw_start() -> bytes:
     return _state["raw"].address
 
 
+def raw_open(address: bytes, desc_bytes: bytes, secret: bytes | None = None) -> None:
+    """Open a reservation as a sender would (with ``secret``, default the descriptor's);
+    the receiver's answer is left unread."""
+    from tandem.rdma.wire import Open, control_tag, encode_control
+    d = DestinationDescriptor.from_bytes(desc_bytes)
+    msg = encode_control(Open(1, _state["raw"].address, d.slot, d.generation,
+                              d.secret if secret is None else secret))
+    assert raw_send(address, [(control_tag(), msg)]) == ["ok"]
+
+
 def raw_send(address: bytes, messages, wait_s: float = 10.0) -> list:
     """Send ``(tag, payload bytes)`` messages; returns per-message error strings."""
     t: Transport = _state["raw"]
@@ -285,7 +305,16 @@ def payload(nbytes: int, fill: int) -> bytes:
     return bytes([fill]) * nbytes
 
 
-__all__ = ["Peer", "full_kv", "rank_pool", "expected_dst_page", "data_tag", "payload"]
+def wait_for(condition, timeout_s: float = 10.0, every_s: float = 0.01) -> None:
+    """Poll ``condition()`` until true; fail after ``timeout_s`` (a hang, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s}s")
+        time.sleep(every_s)
+
+
+__all__ = ["Peer", "full_kv", "rank_pool", "expected_dst_page", "data_tag", "payload", "wait_for"]
 
 
 # shared pool from another process -----------------------------------------------------
@@ -298,6 +327,23 @@ def pool_open(name: str, fail_grace_s: float = 30.0) -> int:
 
 def pool_call(method: str, *args):
     return getattr(_state["pool"], method)(*args)
+
+
+def pool_create(spec, server_pid: int | None = None) -> int:
+    """Create a pool for server ``server_pid`` (default: this process)."""
+    if "pool" in _state:
+        _state.pop("pool").close(release=False)
+    _state["pool"] = SharedKVPool.create(spec, server_pid=server_pid)
+    return os.getpid()
+
+
+def pool_half_create(spec, server_pid: int) -> None:
+    """Start creating a pool's control file (its header names the server and this
+    creator) and stop before it is initialised, as a creator killed half-way would."""
+    from tandem.rdma.pool_layout import ControlBlock
+    ctl = ControlBlock(spec, create=True)
+    ctl.set_server(server_pid)
+    _state["half"] = ctl
 
 
 def pool_hammer(rounds: int, seed: int) -> int:

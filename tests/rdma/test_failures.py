@@ -11,7 +11,7 @@ import pytest
 from tandem.rdma import DestinationDescriptor, ModelSpec, ReservationGone
 from tandem.rdma.shared_pool import FAILED, READY, SENDER_ERROR, TIMEOUT
 
-from .peers import data_tag, payload
+from .peers import data_tag, payload, wait_for
 
 SPEC = ModelSpec("target", 6, 2, 8, 4, "bfloat16", "HND")
 # 16 KiB pages: rendezvous sends, which stay pending while nobody reads them (small
@@ -116,10 +116,13 @@ def test_late_message_for_a_reclaimed_reservation_never_lands(make_pool, rx, tx1
     # the same slot and the same page, owned by a new reservation
     assert (new.slot, new.page_ids) == (old.slot, old.page_ids)
     assert new.generation == old.generation + 1
+    assert new.tag_key != old.tag_key    # a fresh secret: the old one's tags name nothing
     page = spec.page_bytes(2)
     tx1("raw_start")
-    sends = [(data_tag(new.slot, new.generation, 0), payload(page, 0x11)),
-             (data_tag(old.slot, old.generation, 0), payload(page, 0xEE))]   # late, stale
+    tx1("raw_open", address, new.to_bytes())
+    wait_for(lambda: rx("rx_stats")["handshakes"] >= 1)
+    sends = [(data_tag(new.tag_key, 0), payload(page, 0x11)),
+             (data_tag(old.tag_key, 0), payload(page, 0xEE))]   # late, stale
     assert tx1("raw_send", address, sends) == ["ok", "ok"]
     state, completed, expected, _ = rx("rx_wait", new.slot, new.generation)
     assert state == READY and completed == expected == 1

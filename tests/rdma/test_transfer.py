@@ -11,7 +11,7 @@ import pytest
 from tandem.rdma import DestinationDescriptor, ModelSpec
 from tandem.rdma.shared_pool import READY
 
-from .peers import data_tag, expected_dst_page, full_kv, payload
+from .peers import data_tag, expected_dst_page, full_kv, payload, wait_for
 
 SRC_PAGES = 160
 
@@ -107,11 +107,13 @@ def test_duplicates_and_malformed_messages_never_move_the_counter(make_pool, rx,
     d = DestinationDescriptor.from_bytes(rx("rx_reserve", 3, max_run_pages=1))
     page = spec.page_bytes(2)
     tx1("raw_start")
-    tag = lambda op, gen=d.generation: data_tag(d.slot, gen, op)
+    tx1("raw_open", address, d.to_bytes())
+    wait_for(lambda: rx("rx_stats")["handshakes"] >= 1)
+    tag = lambda op, key=d.tag_key: data_tag(key, op)
     first = [(tag(0), payload(page, 7)), (tag(0), payload(page, 9)),   # op 0 twice
              (tag(1), payload(page - 1, 5)),                           # wrong length
              (tag(99), payload(page, 5)),                              # no such op
-             (tag(1, d.generation + 1), payload(page, 5)),             # wrong generation
+             (tag(1, d.tag_key ^ 1), payload(page, 5)),                # another key
              ((5 << 60) | 1, payload(8, 5))]                           # unknown kind
     assert tx1("raw_send", address, first) == ["ok"] * len(first)
     state, completed, expected, _ = rx("rx_wait", d.slot, d.generation, wait_s=0.3)

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tandem.rdma import DestinationDescriptor, ModelSpec, ShardScheme
-from tandem.rdma.wire import (GEN_MASK, KIND_DATA, MAX_OPS, MAX_SLOTS, Ack, Hello, MalformedMessage,
-                              data_tag, decode_control, encode_control, parse_tag)
+from tandem.rdma.wire import (KEY_MASK, KIND_DATA, MAX_OPS, REFUSED_SECRET, Abort, Ack,
+                              MalformedMessage, Nack, Open, data_tag, decode_control,
+                              encode_control, parse_tag)
 
 
 def descriptor(**kw) -> DestinationDescriptor:
@@ -16,16 +17,15 @@ def descriptor(**kw) -> DestinationDescriptor:
                 models=(ModelSpec("target", 4, 8, 64, 16, "bfloat16", "HND"),
                         ModelSpec("draft", 2, 2, 64, 16, "float32", "NHD")),
                 src=ShardScheme(2), dst=ShardScheme(4, 2), max_run_pages=8,
-                context_nbytes=(4096, 128), seed=99)
+                context_nbytes=(4096, 128), seed=99, secret=bytes(range(16)))
     base.update(kw)
     return DestinationDescriptor(**base)
 
 
 @settings(max_examples=300, deadline=None)
-@given(slot=st.integers(0, MAX_SLOTS - 1), gen=st.integers(0, 2**32 - 1),
-       op=st.integers(0, MAX_OPS - 1))
-def test_data_tags_round_trip(slot, gen, op):
-    assert parse_tag(data_tag(slot, gen, op)) == (KIND_DATA, slot, gen & GEN_MASK, op)
+@given(key=st.integers(0, KEY_MASK), op=st.integers(0, MAX_OPS - 1))
+def test_data_tags_round_trip(key, op):
+    assert parse_tag(data_tag(key, op)) == (KIND_DATA, key, op)
 
 
 def test_descriptor_round_trip_and_expected_count():
@@ -72,9 +72,11 @@ def test_random_bytes_are_malformed(data):
 
 
 def test_control_round_trip_and_rejections():
-    for msg in (Hello(7, b"addr"), Ack(2**63)):
+    secret = bytes(range(16))
+    for msg in (Open(7, b"addr", 3, 2**32 - 1, secret), Ack(2**63), Nack(5, REFUSED_SECRET, "no"),
+                Abort(4, 9, secret, 5)):
         assert decode_control(encode_control(msg)) == msg
-    raw = encode_control(Hello(1, b"xyz"))
+    raw = encode_control(Open(1, b"xyz", 0, 1, secret))
     with pytest.raises(MalformedMessage, match="magic"):
         decode_control(b"XXXX" + raw[4:])
     with pytest.raises(MalformedMessage, match="protocol version"):

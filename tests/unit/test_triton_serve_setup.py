@@ -1,4 +1,6 @@
-"""What `tandem serve` prepares before tritonserver starts: backend dir, env, repository, demo model."""
+"""What `tandem serve` prepares before tritonserver starts (backend dir, env, repository,
+demo model, the fault-injection spec), and how its supervisor tells a dead stub from an
+unloaded one and what it does about it (a stand-in tritonserver with stand-in stubs)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import hashlib
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,10 @@ from tandem.client.demo_checkpoint import CHECKPOINT_FILES, make_demo_checkpoint
 from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_INPUT_NAMES, TOKEN_OUTPUT_NAMES
 from tandem.client.repository import MODEL_REPOSITORY, render_repository
 from tandem.client.serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
+from tandem.client.stubs import describe_exit, find_stubs, proc_state
+from tandem.client.supervisor import RELOAD, RESTART, Recovery, Supervisor, SupervisorStatus, choose_action
 from tandem.client.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
+from tandem.client.triton_server import remove_orphan_segments
 
 
 def test_backend_dir_has_library_stub_and_utils(tmp_path):
@@ -175,3 +183,254 @@ def test_cli_registers_the_subcommands():
     assert callable(parser.parse_args(["make-demo-checkpoint"]).func)
     # only the chosen command's module is needed to run it
     assert cli.build_parser("generate").parse_args(["generate", "x"]).command == "generate"
+
+
+# ---- fault injection ----------------------------------------------------------------
+FAULT_MODELS = ("kv_transfer", "prefill", "decode", "llm")
+
+
+def test_faults_reach_the_engine_models_and_nothing_else(tmp_path):
+    spec = "transfer_fail=0.05@mid_layers,seed=1"
+    options = ServeOptions(model_dir=str(tmp_path), mode="both", faults=spec)
+    repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
+    for name in options.models:
+        has = f'key: "faults" value: {{ string_value: "{spec}" }}' in (repo / name / "config.pbtxt").read_text()
+        assert has == (name in FAULT_MODELS), name
+    off = render_repository(tmp_path / "off", ServeOptions(model_dir=str(tmp_path)).template_values())
+    assert 'key: "faults" value: { string_value: "" }' in (off / "decode" / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("spec", ['a"b', "a\\b", "a\nb"])
+def test_a_faults_spec_that_would_break_the_config_is_refused(tmp_path, spec):
+    with pytest.raises(ServerError, match="--faults .*quotes, backslashes and line breaks are not allowed"):
+        ServeOptions(model_dir=str(tmp_path), faults=spec).template_values()
+
+
+def test_serve_cli_supervises_with_the_repository_api_by_default():
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.model_control_mode, args.supervise, args.faults) == ("explicit", True, "")
+    args = cli.build_parser().parse_args(["serve", "--no-supervise", "--faults", "drop_sender=0.1",
+                                          "--model-control-mode", "none"])
+    assert (args.model_control_mode, args.supervise, args.faults) == ("none", False, "drop_sender=0.1")
+
+
+# ---- stubs, exits and what the supervisor does ---------------------------------------
+
+
+@pytest.mark.parametrize("decoupled,status,can_reload,action", [
+    (False, signal.SIGKILL, True, RELOAD),        # prefill, kv_transfer: the failed requests already ended
+    (False, signal.SIGSEGV, True, RELOAD),
+    (True, signal.SIGKILL, True, RESTART),        # decode, llm: their open streams would hang forever
+    (True, None, True, RESTART),                  # unknown: assume the worst
+    (True, 70 << 8, True, RELOAD),                # the engine's own exit ended its streams first
+    (False, signal.SIGKILL, False, RESTART),      # --model-control-mode none: no repository API
+])
+def test_choose_action(decoupled, status, can_reload, action):
+    assert choose_action(decoupled, status, can_reload) == action
+
+
+def test_a_dead_child_is_a_zombie_with_its_exit_status_until_reaped():
+    killed = subprocess.Popen(["sleep", "60"])
+    exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(70)"])
+    killed.send_signal(signal.SIGKILL)
+    try:
+        for proc, words in ((killed, "killed by SIGKILL"), (exited, "exited with status 70")):
+            deadline = time.monotonic() + 10
+            while proc_state(proc.pid).state != "Z" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            state = proc_state(proc.pid)
+            assert (state.state, state.ppid, describe_exit(state.exit_status)) == ("Z", os.getpid(), words)
+    finally:
+        killed.wait(), exited.wait()
+    assert proc_state(killed.pid) is None   # reaped: gone
+
+
+def test_orphan_segments_of_dead_launchers_are_removed(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f"tandem_{dead.pid}_0123abcd_region", f"tandem-kv-{dead.pid}-decode.ctl",          # orphans
+             f"tandem_{os.getpid()}_0123abcd_region", f"tandem-kv-{os.getpid()}-decode.ctl",  # alive
+             "tkv-other-1.ctl", f"tandem_{dead.pid}_notours"]                                 # not ours
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert sorted(remove_orphan_segments(tmp_path)) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
+def test_supervisor_status_counts_completed_recoveries():
+    recs = (Recovery("prefill", 1, "killed by SIGKILL", RELOAD, 0.0, 2.5, True),
+            Recovery("decode", 2, "killed by SIGKILL", RESTART, 1.0, 4.0, True),
+            Recovery("prefill", 3, "killed by SIGKILL", RELOAD, 2.0, None, None))
+    status = SupervisorStatus(recs, recovering=True, failed="")
+    assert (status.reloads, status.restarts, status.reload_seconds) == (1, 1, [2.5])
+    assert status.as_dict()["recoveries"][1]["action"] == RESTART
+
+
+FAKE_SERVER = """
+import signal, subprocess, sys, time
+stub, repo = sys.argv[1], sys.argv[2]
+children = [subprocess.Popen([stub, f"{repo}/{m}/1/model.py", f"tandem_1_0123abcd_{m}", "1", "1", "1", "x", "1",
+                              f"{m}_0_0", "DEFAULT"]) for m in ("prefill", "kv_transfer", "decode")]
+def unload(*_):   # an orderly unload: Triton stops the stub and reaps it
+    children[0].terminate(); children[0].wait()
+signal.signal(signal.SIGUSR1, unload)
+while True:
+    time.sleep(1)
+"""
+
+
+class FakeServer:
+    """What the supervisor uses of a TritonServer, around a stand-in tritonserver whose
+    children look like stubs (``triton_python_backend_stub <repo>/<model>/1/model.py ...``)."""
+
+    def __init__(self, tmp_path, model_control_mode="explicit"):
+        stub = tmp_path / "triton_python_backend_stub"
+        stub.symlink_to(sys.executable)       # runs model.py, which sleeps
+        for m in ("prefill", "kv_transfer", "decode"):
+            (tmp_path / "repo" / m / "1").mkdir(parents=True)
+            (tmp_path / "repo" / m / "1" / "model.py").write_text("import time\ntime.sleep(600)\n")
+        self.args = [sys.executable, "-c", FAKE_SERVER, str(stub), str(tmp_path / "repo")]
+        self.process = subprocess.Popen(self.args, start_new_session=True)
+        self.log_file = tmp_path / "tritonserver.log"
+        self.log_file.write_text('Signal (6) received.\n')     # an earlier launch's: not this one's
+        self.model_control_mode = model_control_mode
+        self.ready_timeout_s = 5.0
+        self.calls: list[tuple] = []
+        self.http, self.options = self, self
+        self.models = ("prefill", "kv_transfer", "decode")
+        self.load_s = 0.0
+        deadline = time.monotonic() + 20
+        while len(find_stubs(self.process.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def model_config(self, model):
+        return {"model_transaction_policy": {"decoupled": model == "decode"}}
+
+    def unload(self, model):
+        self.calls.append(("unload", model))
+
+    def load(self, model, timeout_s):
+        self.calls.append(("load", model))
+        time.sleep(self.load_s)
+
+    def wait_ready(self, abort=None):
+        self.calls.append(("wait_ready",))
+
+    def relaunch(self, abort=None):
+        self.calls.append(("relaunch",))
+        self.kill()
+        self.process = subprocess.Popen(self.args, start_new_session=True)
+
+    def remove_shm_region(self, name):
+        self.calls.append(("remove_shm_region", name))
+
+    def kill(self):
+        """The stand-in and its stubs (its process group: orphans included). Only while
+        it is not reaped: a reaped pid may name someone else's process group by now."""
+        if self.process.returncode is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+
+@pytest.fixture
+def fake(tmp_path):
+    server = FakeServer(tmp_path)
+    supervisor = Supervisor(server, poll_s=0.02, rescan_s=0.05).start()
+    yield server, supervisor
+    supervisor.request_stop()
+    supervisor.join(5)
+    server.kill()
+
+
+def _wait(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_supervisor_finds_the_stubs_of_its_server(fake):
+    server, _ = fake
+    stubs = sorted(find_stubs(server.process.pid), key=lambda s: s.model)
+    assert [(s.model, s.version, s.instance, s.shm_region) for s in stubs] == [
+        ("decode", "1", "decode_0_0", "tandem_1_0123abcd_decode"),
+        ("kv_transfer", "1", "kv_transfer_0_0", "tandem_1_0123abcd_kv_transfer"),
+        ("prefill", "1", "prefill_0_0", "tandem_1_0123abcd_prefill")]
+
+
+def test_a_killed_stub_is_reloaded_and_its_region_removed(fake):
+    server, supervisor = fake
+    stub = next(s for s in find_stubs(server.process.pid) if s.model == "prefill")
+    os.kill(stub.pid, signal.SIGKILL)
+    assert supervisor.wait_noticed(stub.pid)
+    assert _wait(lambda: supervisor.status().reloads == 1)
+    assert server.calls == [("unload", "prefill"), ("load", "prefill"), ("wait_ready",),
+                            ("remove_shm_region", "tandem_1_0123abcd_prefill")]
+    rec = supervisor.status().recoveries[0]
+    assert (rec.model, rec.pid, rec.cause, rec.action, rec.ok) == ("prefill", stub.pid, "killed by SIGKILL",
+                                                                   RELOAD, True)
+
+
+def test_a_stub_that_dies_during_another_reload_is_reloaded_too(fake):
+    server, supervisor = fake
+    server.load_s = 0.5
+    stubs = {s.model: s for s in find_stubs(server.process.pid)}
+    os.kill(stubs["prefill"].pid, signal.SIGKILL)
+    assert supervisor.wait_noticed(stubs["prefill"].pid)
+    os.kill(stubs["kv_transfer"].pid, signal.SIGKILL)     # while prefill loads
+    assert _wait(lambda: supervisor.status().reloads == 2)
+    assert [r.model for r in supervisor.status().recoveries] == ["prefill", "kv_transfer"]
+
+
+def test_a_killed_decoupled_stub_restarts_the_server(fake):
+    server, supervisor = fake
+    stub = next(s for s in find_stubs(server.process.pid) if s.model == "decode")
+    os.kill(stub.pid, signal.SIGKILL)
+    assert _wait(lambda: supervisor.status().restarts == 1)
+    assert server.calls[0] == ("relaunch",)
+    assert _wait(lambda: len(find_stubs(server.process.pid)) == 3)   # the new server's stubs are watched
+
+
+def test_a_dead_server_is_restarted(fake):
+    server, supervisor = fake
+    pid = server.process.pid
+    server.kill()   # with its stubs, which the supervisor may see die first
+    assert _wait(lambda: supervisor.status().restarts == 1)
+    assert server.process.pid != pid and ("relaunch",) in server.calls
+    assert supervisor.status().recoveries[-1].action == RESTART
+    assert _wait(lambda: len(find_stubs(server.process.pid)) == 3)
+
+
+def test_a_crash_in_the_server_log_restarts_it(fake):
+    server, supervisor = fake
+    with open(server.log_file, "a") as f:
+        f.write('I1130 server.cc:305] "Waiting for in-flight requests to complete."\nSignal (15) received.\n')
+    time.sleep(0.3)
+    assert supervisor.status().recoveries == ()             # a shutdown signal is no crash
+    with open(server.log_file, "a") as f:
+        f.write("malloc_consolidate(): unaligned fastbin chunk detected\nSignal (6) received.\n")
+    assert _wait(lambda: supervisor.status().restarts == 1)
+    assert supervisor.status().recoveries[0].cause == "tritonserver crashed ('Signal (6) received' in its log)"
+
+
+def test_an_orderly_unload_is_not_a_death(fake):
+    server, supervisor = fake
+    server.process.send_signal(signal.SIGUSR1)      # the stand-in reaps its prefill stub
+    assert _wait(lambda: len(find_stubs(server.process.pid)) == 2)
+    time.sleep(0.3)
+    assert supervisor.status().recoveries == () and server.calls == []
+
+
+def test_without_the_repository_api_a_dead_stub_restarts_the_server(tmp_path):
+    server = FakeServer(tmp_path, model_control_mode="none")
+    supervisor = Supervisor(server, poll_s=0.02).start()
+    try:
+        os.kill(next(s.pid for s in find_stubs(server.process.pid) if s.model == "prefill"), signal.SIGKILL)
+        assert _wait(lambda: supervisor.status().restarts == 1)
+    finally:
+        supervisor.request_stop()
+        supervisor.join(5)
+        server.kill()

@@ -1,0 +1,276 @@
+"""``tandem bench soak``: N requests at concurrency C through the disaggregated
+ensemble while things go wrong — cancellations at random points, injected KV
+transfer faults, extreme sampling values, stub processes killed at given times —
+and the verdicts a server must earn: none hung, every failure with a clear reason,
+every completed greedy text exact, pages and reservations back to idle, correct
+text served again soon after each kill.
+
+Bounded in count (``--requests``) and time (``--max-seconds``, ``--deadline-s`` per
+request). Prints a table, writes JSON and a plot over time.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import queue
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from .bench_report import header, save_figure, write
+from .paths import DEMO_CHECKPOINTS
+from .soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
+
+MODEL = "tandem"
+PROMPTS = [
+    "def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):",
+    "for i in range(10):\n    ", "def read_lines(path):\n    with open(path) as f:",
+    "# parse the arguments\nparser = argparse.ArgumentParser(", "try:\n    import json\nexcept",
+    "def __repr__(self):\n    return", "while True:\n    line = input()", "x = [i * i for i in",
+    "def merge(a, b):\n    out = []", "if __name__ == '__main__':\n    ", "class Node:\n    def __init__(",
+    "def test_add():\n    assert", "with open('data.csv') as f:\n    reader", "return sorted(items, key=",
+]
+PROBE = (PROMPTS[0], 8)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--cancel-frac", type=float, default=0.2, help="requests cancelled at a random point")
+    p.add_argument("--fault-frac", type=float, default=0.05,
+                   help="KV transfers failed by injection (the server's --faults)")
+    p.add_argument("--fault-point", default="mid_layers", help="where injected transfer faults strike")
+    p.add_argument("--extreme-frac", type=float, default=0.02, help="requests with extreme sampling values")
+    p.add_argument("--kill", default="prefill:60,decode:150",
+                   help="stub kills, MODEL:SECONDS after the start, comma-separated ('' for none)")
+    p.add_argument("--deadline-s", type=float, default=120.0,
+                   help="a request with no final response by then counts as hung")
+    p.add_argument("--max-seconds", type=float, default=1800.0, help="stop sending new requests after this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", default=str(DEMO_CHECKPOINTS / "target"))
+    p.add_argument("--out", type=Path, default=Path("docs/bench/soak.json"))
+
+
+def parse_kills(text: str) -> list[tuple[str, float]]:
+    """``"prefill:60,decode:150"`` -> ``[("prefill", 60.0), ("decode", 150.0)]``.
+
+    >>> parse_kills("prefill:60, decode:150.5")
+    [('prefill', 60.0), ('decode', 150.5)]
+    """
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        model, _, at = item.partition(":")
+        out.append((model, float(at)))
+    return sorted(out, key=lambda x: x[1])
+
+
+# -- one request --------------------------------------------------------------------------
+
+def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
+    """Send ``req`` on its own gRPC stream; cancel it where the plan says."""
+    import tritonclient.grpc as grpcclient
+
+    from .generate import build_inputs, parse_response
+
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    started = time.monotonic()
+    out = Outcome(req.index, req.kind, "hung", started, started)
+    responses, text = 0, []
+    try:
+        client.async_stream_infer(MODEL, build_inputs(req.prompt, max_tokens=req.max_tokens, stream=True,
+                                                      **req.sampling),
+                                  enable_empty_final_response=True)
+        while True:
+            if req.cancel_after is not None and responses >= req.cancel_after:
+                out.status = "cancelled"
+                break
+            left = started + deadline_s - time.monotonic()
+            try:
+                result, error = answers.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                break                                          # hung
+            if error is not None:
+                out.status, out.error = "failed", str(error)
+                break
+            r = parse_response(result)
+            responses += 1
+            text.append(r.text)
+            if r.final:
+                out.status, out.finish_reason = "ok", r.finish_reason
+                break
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    out.ended_at, out.text = time.monotonic(), "".join(text)
+    return out
+
+
+# -- the server's own view ----------------------------------------------------------------
+
+def kv_pages(metrics_url: str) -> dict[str, float]:
+    """``tandem_kv_pages`` by model and state, and the reservations made so far."""
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+    pages = {}
+    for line in text.splitlines():
+        m = re.match(r'tandem_kv_pages\{(.*)\} (\S+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            key = f"{labels.get('model')}/{labels.get('state')}"
+            pages[key] = pages.get(key, 0.0) + float(m.group(2))   # summed over incarnations
+    return pages
+
+
+def wait_idle(metrics_url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """The page counts once nothing is reserved or in use (or after ``timeout_s``)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        pages = kv_pages(metrics_url)
+        busy = sum(v for k, v in pages.items() if k.endswith(("/reserved", "/in_use")))
+        if busy == 0 or time.monotonic() > end:
+            return pages
+        time.sleep(1.0)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+def greedy_reference(model_dir: str, outcomes: list[Outcome], plan: list[PlannedRequest]) -> None:
+    """Mark each completed greedy request exact or not against the offline engine."""
+    import torch
+
+    from tandem.backends import LLM, SamplingParams
+    torch.set_num_threads(1)
+    checked = [o for o in outcomes if o.status == "ok" and plan[o.index].greedy]
+    keys = sorted({(plan[o.index].prompt, plan[o.index].max_tokens) for o in checked})
+    if not keys:
+        return
+    llm = LLM(model_dir)
+    texts = llm.generate([p for p, _ in keys],
+                         [SamplingParams(max_tokens=m, temperature=0.0) for _, m in keys])
+    want = {k: t.text for k, t in zip(keys, texts)}
+    for o in checked:
+        o.exact = o.text == want[(plan[o.index].prompt, plan[o.index].max_tokens)]
+
+
+def probe_until_correct(url: str, want: str, since: float, timeout_s: float) -> float | None:
+    """Seconds from ``since`` until a greedy probe returns ``want`` (None: not by ``timeout_s``)."""
+    req = PlannedRequest(-1, PROBE[0], PROBE[1], {"temperature": 0.0}, "greedy", None)
+    while time.monotonic() - since < timeout_s:
+        o = run_request(url, req, deadline_s=10.0)
+        if o.status == "ok" and o.text == want:
+            return o.ended_at - since
+        time.sleep(0.5)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
+
+    report = header("soak", args)
+    plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed)
+    kills = parse_kills(args.kill)
+    faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
+    run_dir = args.out.parent / "soak-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults)
+    from tandem.backends import LLM, SamplingParams
+    probe_want = LLM(args.model_dir).generate(PROBE[0], SamplingParams(max_tokens=PROBE[1],
+                                                                       temperature=0.0))[0].text
+    with TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
+                      model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60) as server:
+        before = wait_idle(server.metrics_url)
+        todo = iter(plan)
+        lock = threading.Lock()
+        outcomes: list[Outcome] = []
+        start = time.monotonic()
+
+        def worker() -> None:
+            while time.monotonic() - start < args.max_seconds:
+                with lock:
+                    req = next(todo, None)
+                if req is None:
+                    return
+                o = run_request(server.grpc_url, req, args.deadline_s)
+                with lock:
+                    outcomes.append(o)
+
+        recoveries = []
+
+        def killer() -> None:
+            for model, at in kills:
+                time.sleep(max(0.0, start + at - time.monotonic()))
+                if len(outcomes) >= len(plan):
+                    return
+                killed_at = time.monotonic()
+                pid = server.kill_stub(model)
+                seconds = probe_until_correct(server.grpc_url, probe_want, killed_at, timeout_s=120.0)
+                recoveries.append({"model": model, "pid": pid, "at_s": round(killed_at - start, 2),
+                                   "recovered_s": None if seconds is None else round(seconds, 2)})
+                print(f"  killed {model} (pid {pid}) at {killed_at - start:.1f} s: correct text again "
+                      f"after {seconds if seconds is None else round(seconds, 2)} s", flush=True)
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
+        threads.append(threading.Thread(target=killer, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads[:-1]:
+            t.join()
+        threads[-1].join(timeout=150)
+        elapsed = time.monotonic() - start
+        after = wait_idle(server.metrics_url)
+    greedy_reference(args.model_dir, outcomes, plan)
+    summary = summarize(outcomes)
+    report.update({
+        "settings": {k: getattr(args, k) for k in ("requests", "concurrency", "cancel_frac", "fault_frac",
+                                                   "fault_point", "extreme_frac", "kill", "deadline_s", "seed")},
+        "elapsed_s": round(elapsed, 1), "summary": summary.as_dict(), "goals_met": summary.goals_met,
+        "pages_before": before, "pages_after": after,
+        "leaked": {k: v for k, v in after.items() if k.endswith(("/reserved", "/in_use")) and v},
+        "recoveries": recoveries,
+        "timeline_5s": timeline(outcomes, start, 5.0),
+    })
+    _print(report)
+    write(report, args.out)
+    _plot(report, args.out.with_suffix(".png"))
+    return 0 if summary.goals_met and not report["leaked"] else 1
+
+
+def _print(report: dict) -> None:
+    s = report["summary"]
+    print(f"\nsoak: {s['requests']} requests in {report['elapsed_s']} s")
+    print(f"{'status':<12}{'count':>8}")
+    for k in ("ok", "cancelled", "failed", "hung"):
+        print(f"{k:<12}{s['by_status'].get(k, 0):>8}")
+    print(f"failed without a clear reason: {s['failed_unclear']}; greedy checked {s['greedy_checked']}, "
+          f"inexact {s['greedy_inexact']}")
+    print(f"pages before {report['pages_before']}\npages after  {report['pages_after']}")
+    for r in report["recoveries"]:
+        print(f"kill {r['model']} at {r['at_s']} s: correct text again after {r['recovered_s']} s")
+    for msg, n in itertools.islice(s["errors"].items(), 10):
+        print(f"  {n:>5}  {msg}")
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tl = report["timeline_5s"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    xs = [5 * i for i in range(len(tl["ok"]))]
+    bottom = [0] * len(xs)
+    for status, color in (("ok", "tab:green"), ("cancelled", "tab:gray"), ("failed", "tab:red"),
+                          ("hung", "black")):
+        ax.bar(xs, tl[status], width=4.5, bottom=bottom, color=color, label=status, align="edge")
+        bottom = [b + v for b, v in zip(bottom, tl[status])]
+    for r in report["recoveries"]:
+        ax.axvline(r["at_s"], color="tab:purple", ls="--")
+        ax.text(r["at_s"], max(bottom or [1]), f" kill {r['model']}", color="tab:purple", fontsize=7, va="top")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("requests ended per 5 s")
+    ax.legend(fontsize=7, ncol=4)
+    ax.set_title("soak: how requests end while faults are injected and stubs killed", fontsize=9)
+    save_figure(fig, path, report)

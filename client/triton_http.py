@@ -1,0 +1,69 @@
+"""Readiness and the repository API of a running tritonserver, over plain HTTP
+(no tritonclient import: the supervisor runs beside every server).
+
+>>> api = TritonHTTP("127.0.0.1:8000")                       # doctest: +SKIP
+>>> api.unload("prefill"); api.load("prefill")               # doctest: +SKIP
+>>> api.server_ready(), api.model_ready("tandem")            # doctest: +SKIP
+(True, True)
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from .serve_options import ServerError
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 (a refused connection is not ready)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class TritonHTTP:
+    url: str    # host:port of the HTTP endpoint
+
+    def server_ready(self) -> bool:
+        return http_ok(f"http://{self.url}/v2/health/ready")
+
+    def model_ready(self, model: str) -> bool:
+        return http_ok(f"http://{self.url}/v2/models/{model}/ready")
+
+    def model_config(self, model: str) -> dict:
+        with urllib.request.urlopen(f"http://{self.url}/v2/models/{model}/config", timeout=10) as r:
+            return json.loads(r.read())
+
+    def index(self) -> dict[str, tuple[str, str]]:
+        """``{model: (state, reason)}`` from the repository index."""
+        return {m["name"]: (m.get("state", ""), m.get("reason", ""))
+                for m in json.loads(self._post("/v2/repository/index", timeout_s=10))}
+
+    def load(self, model: str, timeout_s: float = 300.0) -> None:
+        """Load ``model`` (blocks until Triton loaded it); raises ServerError with Triton's reason."""
+        self._post(f"/v2/repository/models/{model}/load", timeout_s=timeout_s)
+
+    def unload(self, model: str, timeout_s: float = 30.0) -> None:
+        """Ask Triton to unload ``model`` (it returns at once; the instance goes when idle)."""
+        self._post(f"/v2/repository/models/{model}/unload", timeout_s=timeout_s)
+
+    def _post(self, path: str, timeout_s: float) -> bytes:
+        req = urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            try:
+                body = json.loads(body).get("error", body)
+            except ValueError:
+                pass
+            raise ServerError(f"POST {path}: {e.code} {body}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerError(f"POST {path}: {e}") from None
