@@ -31,6 +31,6 @@ test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
 # every benchmark, one after another (about half an hour here); each writes docs/bench/<name>.json + .png
-BENCHMARKS := engine spec transfer spec-serving serving scaling load
+BENCHMARKS := engine spec transfer spec-serving serving scaling load soak
 bench: $(STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

@@ -14,6 +14,7 @@ import argparse
 import itertools
 import queue
 import re
+import tempfile
 import threading
 import time
 import urllib.request
@@ -43,11 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV transfers failed by injection (the server's --faults)")
     p.add_argument("--fault-point", default="mid_layers", help="where injected transfer faults strike")
     p.add_argument("--extreme-frac", type=float, default=0.02, help="requests with extreme sampling values")
-    p.add_argument("--kill", default="prefill:60,decode:150",
+    p.add_argument("--kill", default="prefill:15,decode:35",
                    help="stub kills, MODEL:SECONDS after the start, comma-separated ('' for none)")
     p.add_argument("--deadline-s", type=float, default=120.0,
                    help="a request with no final response by then counts as hung")
     p.add_argument("--max-seconds", type=float, default=1800.0, help="stop sending new requests after this")
+    p.add_argument("--backoff-s", type=float, default=0.5,
+                   help="a worker whose request failed waits this long before its next (as a client "
+                        "honouring 'retry later' does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=str(DEMO_CHECKPOINTS / "target"))
     p.add_argument("--out", type=Path, default=Path("docs/bench/soak.json"))
@@ -74,16 +78,21 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
 
     from .generate import build_inputs, parse_response
 
+    from tritonclient.utils import InferenceServerException
+
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
     started = time.monotonic()
     out = Outcome(req.index, req.kind, "hung", started, started)
     responses, text = 0, []
     try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
         client.async_stream_infer(MODEL, build_inputs(req.prompt, max_tokens=req.max_tokens, stream=True,
                                                       **req.sampling),
                                   enable_empty_final_response=True)
+    except InferenceServerException as exc:   # e.g. the server restarts: connection refused
+        answers.put((None, exc))
+    try:
         while True:
             if req.cancel_after is not None and responses >= req.cancel_after:
                 out.status = "cancelled"
@@ -103,8 +112,11 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
                 out.status, out.finish_reason = "ok", r.finish_reason
                 break
     finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+        try:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        except InferenceServerException:
+            pass
     out.ended_at, out.text = time.monotonic(), "".join(text)
     return out
 
@@ -112,15 +124,18 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
 # -- the server's own view ----------------------------------------------------------------
 
 def kv_pages(metrics_url: str) -> dict[str, float]:
-    """``tandem_kv_pages`` by model and state, and the reservations made so far."""
-    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-    pages = {}
+    """``tandem_kv_pages`` by model and state, from the stubs that are alive (a killed
+    stub's series stay on ``/metrics`` with their last values; ``incarnation`` is its pid)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    pages: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r'tandem_kv_pages\{(.*)\} (\S+)$', line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if not Path(f"/proc/{labels.get('incarnation', 0)}").exists():
+                continue
             key = f"{labels.get('model')}/{labels.get('state')}"
-            pages[key] = pages.get(key, 0.0) + float(m.group(2))   # summed over incarnations
+            pages[key] = pages.get(key, 0.0) + float(m.group(2))
     return pages
 
 
@@ -128,7 +143,13 @@ def wait_idle(metrics_url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """The page counts once nothing is reserved or in use (or after ``timeout_s``)."""
     end = time.monotonic() + timeout_s
     while True:
-        pages = kv_pages(metrics_url)
+        try:
+            pages = kv_pages(metrics_url)
+        except OSError:              # the server is restarting
+            if time.monotonic() > end:
+                raise
+            time.sleep(1.0)
+            continue
         busy = sum(v for k, v in pages.items() if k.endswith(("/reserved", "/in_use")))
         if busy == 0 or time.monotonic() > end:
             return pages
@@ -174,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed)
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
-    run_dir = args.out.parent / "soak-run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="tandem-soak-"))   # the server's repository and log
     options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults)
     from tandem.backends import LLM, SamplingParams
     probe_want = LLM(args.model_dir).generate(PROBE[0], SamplingParams(max_tokens=PROBE[1],
@@ -197,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
                 o = run_request(server.grpc_url, req, args.deadline_s)
                 with lock:
                     outcomes.append(o)
+                if o.status == "failed":
+                    time.sleep(args.backoff_s)
 
         recoveries = []
 
@@ -226,11 +248,12 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcomes)
     report.update({
         "settings": {k: getattr(args, k) for k in ("requests", "concurrency", "cancel_frac", "fault_frac",
-                                                   "fault_point", "extreme_frac", "kill", "deadline_s", "seed")},
+                                                   "fault_point", "extreme_frac", "kill", "deadline_s",
+                                                   "backoff_s", "seed")},
         "elapsed_s": round(elapsed, 1), "summary": summary.as_dict(), "goals_met": summary.goals_met,
         "pages_before": before, "pages_after": after,
         "leaked": {k: v for k, v in after.items() if k.endswith(("/reserved", "/in_use")) and v},
-        "recoveries": recoveries,
+        "recoveries": recoveries, "server_log": str(run_dir / "tritonserver.log"),
         "timeline_5s": timeline(outcomes, start, 5.0),
     })
     _print(report)
