@@ -2,7 +2,8 @@
 
 Byte-level BPE can split one character over several tokens; text is released only
 once it decodes cleanly, and while stop strings are set, the last few characters are
-held back so a stop string is never streamed in part.
+held back so a stop string is never streamed in part. With ``min_tokens`` a stop string
+ends the text only when completed by a token after the first ``min_tokens`` (as vLLM).
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ _CONTEXT = 5  # tokens decoded before the new ones, so merges at the boundary co
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str],
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_added = 0
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -27,6 +31,7 @@ class IncrementalDetokenizer:
         """Append one generated token; sets ``stopped`` if a stop string completed."""
         if self.tokenizer is None or self.stopped:
             return
+        self.num_added += 1
         self.ids.append(token_id)
         decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
         prefix = decode(self.prefix_offset, self.read_offset)
@@ -36,7 +41,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if self.stop:
+        if self.stop and self.num_added > self.min_tokens:
             start = max(0, before - self.hold)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:

@@ -15,6 +15,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[float] | None = None       # with SamplingParams.logprobs: one per token
+    cumulative_logprob: float | None = None
 
 
 class LLM:
@@ -59,7 +61,10 @@ class LLM:
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
         return [CompletionOutput(s.prompt_ids, list(s.output_ids), "".join(texts[s.request_id]),
-                                 reasons[s.request_id]) for s in seqs]
+                                 reasons[s.request_id],
+                                 None if s.logprobs is None else list(s.logprobs),
+                                 None if s.logprobs is None else s.cumulative_logprob)
+                for s in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,10 +15,11 @@ from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .isolation import describe, isolate
+from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .proposers import StepHidden, load_proposer_model, make_proposer
-from .sampler import sample, verify_drafts
+from .sampler import sample, token_logprobs, verify_drafts
 from .scheduler import Scheduler
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
@@ -38,6 +39,10 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None        # with "error": what went wrong, for the client
     error_code: str | None = None   # with "error": UNAVAILABLE when a retry may succeed
+    # with SamplingParams.logprobs: one per new token (the log-probability under the
+    # distribution it was sampled from), and the sum over all output tokens so far
+    new_logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float | None = None
 
 
 def check_pool_fits(pool: KVPagePool, cfg, dtype, config: EngineConfig) -> None:
@@ -149,18 +154,42 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in use")
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias has token ids outside the vocabulary "
+                             f"({sorted(t for t in params.logit_bias if t >= vocab)[:8]}); "
+                             f"allowed: ids in 0..{vocab - 1}")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        controls = LogitsControls.build(params, ids, stop_ids, vocab,
+                                        self._bad_words(params.bad_words), self.config.device)
         return Sequence(request_id=rid, prompt_ids=ids, params=params, stop_ids=stop_ids,
-                        generator=gen)
+                        generator=gen, controls=controls,
+                        logprobs=[] if params.logprobs else None)
+
+    def _bad_words(self, words: list[str]) -> list[tuple[int, ...]]:
+        """``bad_words`` as token id sequences (vLLM's tokenization), checked against
+        the vocabulary."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words needs a tokenizer; {self.config.model_dir} has no "
+                             "tokenizer.json")
+        ids = bad_words_token_ids(
+            words, lambda w: self.tokenizer.encode(w, add_special_tokens=False).ids)
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for word in ids for t in word):
+            raise ValueError(f"bad_words={words!r} tokenize to ids outside the model's "
+                             f"vocabulary (0..{vocab - 1})")
+        return ids
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
         self.detoks[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_ids, seq.params.stop)
+            self.tokenizer, seq.prompt_ids, seq.params.stop, seq.params.min_tokens)
         self.scheduler.add(seq)
 
     def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
@@ -216,10 +245,13 @@ class LLMEngine:
         rows = inputs.last_rows[[i for i, s in enumerate(scheduled) if s.samples]]
         logits = self.runner.logits(hidden[rows])
         sampling = [s.seq for s in scheduled if s.samples]
+        self._apply_controls(logits, sampling)
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        logprobs = self._logprobs(logits, [[t] for t in tokens], sampling)
         for s in scheduled:
             s.seq.num_computed = s.end
-        outputs = [self._commit(seq, [tok]) for seq, tok in zip(sampling, tokens)]
+        outputs = [self._commit(seq, [tok], lp)
+                   for seq, tok, lp in zip(sampling, tokens, logprobs)]
         if self.proposer is not None:
             # prefill and mixed steps decode plainly; the proposer then sees what the target saw
             ptr = inputs.qo_indptr.tolist()
@@ -236,15 +268,19 @@ class LLMEngine:
         k = self.num_speculative_tokens
         before = [replace(s.draft) for s in seqs]
         try:
-            drafts = self.proposer.propose(seqs, k)
+            drafts = self.proposer.propose(seqs, k, self._draft_process(seqs))
             starts = [s.num_computed for s in seqs]
             batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
                                   for s, d in zip(seqs, drafts.tolist())], starts,
                                  [s.pages for s in seqs])
             _, hidden = self.runner.forward(batch)
             logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
+            # controls at each position, the drafts before it counted as output (lossless)
+            self._apply_controls(logits, seqs, drafts)
             verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
                                                [s.generator for s in seqs])
+            logprobs = self._logprobs(logits, [verified[i, :a + 1].tolist()
+                                               for i, a in enumerate(accepted)], seqs)
         except Exception:
             for s, draft in zip(seqs, before):   # proposing advanced the drafts' caches
                 s.draft = draft
@@ -253,7 +289,7 @@ class LLMEngine:
         for i, s in enumerate(seqs):
             self.spec_metrics.record(accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
-            outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist()))
+            outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist(), logprobs[i]))
             if not s.is_finished:
                 survivors.append(i)
         hidden = hidden.view(len(seqs), k + 1, -1)
@@ -265,12 +301,51 @@ class LLMEngine:
                 self.scheduler.trim(s, max(s.num_tokens, s.draft.computed))
             return []
 
+        if not survivors:
+            return outputs
         return outputs + isolate(survivors, after_verify, lambda i, exc: self._fail(seqs[i], exc))
 
-    def _commit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+    @staticmethod
+    def _apply_controls(logits: torch.Tensor, seqs: list[Sequence],
+                        drafts: torch.Tensor | None = None) -> None:
+        """Logits controls on the rows ([B, V], or [B, n, V] in a speculative step) of
+        the requests that use one; nothing at all for a batch of plain requests."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.controls is not None and s.controls.active(len(s.output_ids))]
+        if rows:
+            apply_controls(logits if logits.dim() == 3 else logits[:, None], rows,
+                           [seqs[i].controls for i in rows], [seqs[i].output_ids for i in rows],
+                           drafts)
+
+    def _draft_process(self, seqs: list[Sequence]):
+        """Drafts from the controlled logits when the batch uses controls: only speed
+        depends on it (verification applies them to the target either way)."""
+        if all(s.controls is None for s in seqs):
+            return None
+        return lambda logits, drafted: self._apply_controls(logits, seqs, drafted)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[list[int]],
+                  seqs: list[Sequence]) -> list[list[float] | None]:
+        """Per request asking for them, the log-probabilities of its new tokens at
+        positions 0.. of its processed logits ([B, V] or [B, n, V]); None for the others."""
+        out: list[list[float] | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if not rows:
+            return out
+        logits = logits if logits.dim() == 3 else logits[:, None]
+        flat = token_logprobs(torch.cat([logits[i, :len(tokens[i])] for i in rows]),
+                              [t for i in rows for t in tokens[i]],
+                              [seqs[i].params for i in rows for _ in tokens[i]])
+        for i in rows:
+            out[i], flat = flat[:len(tokens[i])], flat[len(tokens[i]):]
+        return out
+
+    def _commit(self, seq: Sequence, tokens: list[int],
+                logprobs: list[float] | None = None) -> RequestOutput:
         """Append a sequence's new tokens; if that raises, the sequence alone fails."""
         try:
-            return self._append(seq, tokens)
+            return self._append(seq, tokens, logprobs)
         except Exception as exc:
             return self._fail(seq, exc)
 
@@ -280,11 +355,12 @@ class LLMEngine:
         return self._finish(seq, "error", error=f"the request failed in the engine step "
                                                 f"({describe(exc)}); other requests were not affected")
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+    def _append(self, seq: Sequence, tokens: list[int],
+                logprobs: list[float] | None = None) -> RequestOutput:
         """Append new tokens, stopping exactly at the first stop condition."""
         detok = self.detoks[seq.request_id]
         for n, token in enumerate(tokens, 1):
-            seq.output_ids.append(token)
+            seq.append_token(token, None if logprobs is None else logprobs[n - 1])
             detok.add(token)
             if token in seq.stop_ids or detok.stopped:
                 return self._finish(seq, "stop", tokens[:n])
@@ -302,5 +378,9 @@ class LLMEngine:
         return self._output(seq, list(new_ids), text, reason, error)
 
     def _output(self, seq, new_ids, text, reason, error=None) -> RequestOutput:
-        return RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
-                             len(seq.prompt_ids), len(seq.output_ids), error)
+        out = RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
+                            len(seq.prompt_ids), len(seq.output_ids), error)
+        if seq.logprobs is not None:
+            out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):]
+            out.cumulative_logprob = seq.cumulative_logprob
+        return out

@@ -1,6 +1,7 @@
 """Sampling parameters, validated with messages that name the field and the allowed range."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # below this temperature sampling is greedy (as vLLM's _SAMPLING_EPS): dividing logits by
@@ -15,7 +16,30 @@ class SamplingParams:
     ``temperature`` below ``SAMPLING_EPS`` (0 included) is greedy; ``top_k == 0`` and
     ``top_p == 1`` disable those filters.
 
+    The logits controls change the target's logits before temperature, top-k and top-p,
+    in plain decoding and in speculative verification alike (vLLM's order: bad words,
+    min_tokens, logit_bias, then the penalties):
+
+    - ``repetition_penalty`` (> 0; 1 = off): a token seen in the prompt or the output has
+      its logit divided by it when positive, multiplied when negative (HF, vLLM);
+    - ``presence_penalty``, ``frequency_penalty`` (in [-2, 2]; 0 = off): OpenAI's, over the
+      output tokens only: ``logit -= presence * (count > 0) + frequency * count``;
+    - ``min_tokens``: the stop token ids (EOS included unless ``ignore_eos``) are masked,
+      and stop strings do not end the request, until that many tokens were generated;
+    - ``bad_words``: words never generated; each is tokenized with and without a leading
+      space (as vLLM does); a one-token word is masked, a longer one has its last token
+      masked when the output ends with the rest;
+    - ``logit_bias``: token id -> a number added to its logit.
+
+    ``logprobs`` returns each generated token's log-probability under the distribution
+    it was sampled from, after all of that (greedy: the log-softmax of the processed
+    logits, i.e. at temperature 1).
+
     >>> SamplingParams(max_tokens=32, temperature=0.0).validate()
+    >>> SamplingParams(presence_penalty=2.5).validate()
+    Traceback (most recent call last):
+    ...
+    ValueError: presence_penalty=2.5 is invalid; allowed: a number in [-2, 2] (0 = off)
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -25,10 +49,22 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def validate(self) -> None:
         def bad(name, value, allowed):
@@ -49,3 +85,24 @@ class SamplingParams:
             bad("stop", self.stop, "a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) \
+            and math.isfinite(x)
+        if not number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not number(value) or not -2 <= value <= 2:
+                bad(name, value, "a number in [-2, 2] (0 = off)")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.bad_words, (list, tuple)) \
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", self.bad_words, "a list of non-blank strings")
+        if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and number(b)
+                for t, b in self.logit_bias.items()):
+            bad("logit_bias", self.logit_bias, "a dict of token id (an integer >= 0) -> a finite "
+                "number")
+        if not isinstance(self.logprobs, bool):
+            bad("logprobs", self.logprobs, "true or false")

@@ -4,10 +4,13 @@ Both keep, per sequence, ``draft.computed`` (their cached length) and the logits
 last run left for the next step's first draft token, and follow one protocol:
 
 - ``catch_up(seqs, step_hidden)`` after a plain (prefill or mixed) target step;
-- ``propose(seqs, k)`` -> ``[B, k]`` greedy draft tokens;
+- ``propose(seqs, k, process)`` -> ``[B, k]`` greedy draft tokens (``process``, when
+  given, changes each step's draft logits in place first: the requests' logits controls);
 - ``after_verify(seqs, tokens, target_hidden, starts)`` once the target has verified.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -20,6 +23,17 @@ from .sequence import Sequence
 
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]
+# (draft logits [B, V], the drafts so far [B, j] or None) -> None, in place
+DraftProcess = Callable[[torch.Tensor, "torch.Tensor | None"], None]
+
+
+def greedy_draft(logits: torch.Tensor, drafts: list[torch.Tensor],
+                 process: DraftProcess | None) -> torch.Tensor:
+    """The next draft token per row: the argmax, of the processed logits when the batch
+    uses logits controls (so drafts agree with a controlled target more often)."""
+    if process is not None:
+        process(logits, torch.stack(drafts, 1) if drafts else None)
+    return logits.argmax(-1)
 
 
 def load_proposer_model(spec: SpeculativeConfig, target: LlamaForCausalLM, dtype: str,
@@ -67,16 +81,18 @@ class DraftModelProposer:
             s.draft.computed = b
             s.draft.logits = logits[i] if b == s.num_tokens else None
 
-    def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
-        token = torch.stack([s.draft.logits for s in seqs]).argmax(-1)
-        drafts = [token]
+    def propose(self, seqs: list[Sequence], k: int,
+                process: DraftProcess | None = None) -> torch.Tensor:
+        drafts: list[torch.Tensor] = []
+        token = greedy_draft(torch.stack([s.draft.logits for s in seqs]), drafts, process)
+        drafts.append(token)
         for _ in range(k - 1):
             batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
                                  [s.pages for s in seqs])
             _, hidden = self.runner.forward(batch)
             for s in seqs:
                 s.draft.computed += 1
-            token = self.runner.logits(hidden).argmax(-1)
+            token = greedy_draft(self.runner.logits(hidden), drafts, process)
             drafts.append(token)
         return torch.stack(drafts, 1)
 
@@ -131,16 +147,18 @@ class MTPProposer:
             s.draft.hidden = g[last[i]] if done else None
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], k: int) -> torch.Tensor:
-        token = torch.stack([s.draft.logits for s in seqs]).argmax(-1)
+    def propose(self, seqs: list[Sequence], k: int,
+                process: DraftProcess | None = None) -> torch.Tensor:
+        drafts: list[torch.Tensor] = []
+        token = greedy_draft(torch.stack([s.draft.logits for s in seqs]), drafts, process)
         g = torch.stack([s.draft.hidden for s in seqs])
-        drafts = [token]
+        drafts.append(token)
         for _ in range(k - 1):
             # beyond the verified tokens there is no target hidden state: feed the head's own
             _, g = self._run(seqs, [[t] for t in token.tolist()], [s.draft.computed for s in seqs], g)
             for s in seqs:
                 s.draft.computed += 1
-            token = self.target.compute_logits(g).argmax(-1)
+            token = greedy_draft(self.target.compute_logits(g), drafts, process)
             drafts.append(token)
         return torch.stack(drafts, 1)
 

@@ -8,12 +8,11 @@ from ..speculative.verify import chain_speculative_sampling
 from .params import SamplingParams
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, per row.
+def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """Logits after temperature, top-k and top-p, per row (filtered tokens at -inf).
 
     logits [B, V] fp32; temperature [B] (> 0); top_k [B] int (0 = off); top_p [B] in (0, 1].
-    Speculative verification applies the same function to target and draft alike.
     """
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
@@ -26,21 +25,30 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     drop |= mass_before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return filtered.softmax(-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, per row (see ``filtered_logits``).
+    Speculative verification applies the same function to target and draft alike."""
+    return filtered_logits(logits, temperature, top_k, top_p).softmax(-1)
+
+
+def _per_row(params: list[SamplingParams], n: int, like: torch.Tensor):
+    """Each request's temperature, top-k and top-p, repeated over its ``n`` positions,
+    on the device of ``like``."""
+    row = lambda name, dtype: torch.tensor([getattr(p, name) for p in params for _ in range(n)],
+                                           dtype=dtype, device=like.device)
+    return row("temperature", like.dtype), row("top_k", torch.long), row("top_p", like.dtype)
 
 
 def request_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[R, n, V] logits of non-greedy requests -> each request's filtered distribution
     at each of its ``n`` positions."""
     r, n, v = logits.shape
-
-    def per_row(field, dtype):
-        return torch.tensor([getattr(p, field) for p in params for _ in range(n)], dtype=dtype)
-
     flat = logits.reshape(r * n, v)
-    return filtered_probs(flat, per_row("temperature", flat.dtype), per_row("top_k", torch.long),
-                          per_row("top_p", flat.dtype)).view(r, n, v)
+    return filtered_probs(flat, *_per_row(params, n, flat)).view(r, n, v)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -57,6 +65,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for j, i in enumerate(rows):
         tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   params: list[SamplingParams]) -> list[float]:
+    """The log-probability of ``tokens[i]`` under the distribution row ``i`` samples
+    from: the log-softmax of the logits after temperature, top-k and top-p, or for a
+    greedy request of the logits themselves (temperature 1, as vLLM reports for
+    temperature 0). ``logits`` [N, V] are the processed logits (controls applied).
+
+    >>> token_logprobs(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1],
+    ...                [SamplingParams(temperature=0)])
+    [-1.3862943649291992]
+    """
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        logits = logits.clone()
+        logits[rows] = filtered_logits(logits[rows], *_per_row([params[i] for i in rows], 1,
+                                                               logits))
+    picked = logits.log_softmax(-1).gather(
+        -1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
+    return picked[:, 0].tolist()
 
 
 def check_distributions(probs: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logits_processors import LogitsControls
 from .params import SamplingParams
 
 
@@ -39,6 +40,17 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     draft: DraftState = field(default_factory=DraftState)
+    controls: LogitsControls | None = None   # None: no control changes its logits
+    logprobs: list[float] | None = None      # one per output token, with params.logprobs
+    cumulative_logprob: float = 0.0
+
+    def append_token(self, token: int, logprob: float | None = None) -> None:
+        self.output_ids.append(token)
+        if self.controls is not None:
+            self.controls.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob
 
     @property
     def num_tokens(self) -> int:
