@@ -116,15 +116,16 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, params: list[Sampl
     request. Greedy drafts are one-hot draft distributions; a seeded request is verified
     with its own generator so its output does not depend on the rest of the batch."""
     b, k = drafts.shape
-    out = torch.empty(b, k + 1, dtype=torch.int32)
-    emitted = torch.empty(b, dtype=torch.int32)
+    device = logits.device
+    out = torch.empty(b, k + 1, dtype=torch.int32, device=device)
+    emitted = torch.empty(b, dtype=torch.int32, device=device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         # one-hot p and q: the rejection sampler reduces to "keep drafts while they equal
         # the target's argmax, then the argmax" -- the same tokens, without vocab-sized work
         best = logits[greedy].argmax(-1)
         n = (drafts[greedy] == best[:, :k]).int().cumprod(1).sum(1)
-        keep = torch.arange(k + 1)[None, :] <= n[:, None]
+        keep = torch.arange(k + 1, device=device)[None, :] <= n[:, None]
         out[greedy] = torch.where(keep, best, -1).to(torch.int32)
         emitted[greedy] = n.to(torch.int32)
     if len(greedy) == b:
