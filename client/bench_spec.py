@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding and HF transformers, side by side.
 
-On the demo checkpoints: Tandem plain, draft-target and MTP at k = 1..5 (batch 1 and 8),
+On the demo checkpoints: Tandem plain, draft-target, MTP and ngram (prompt lookup) at k = 1..5 (batch 1 and 8),
 HF ``generate`` plain, assisted generation (``assistant_model`` = the same draft) and
 prompt-lookup decoding, all greedy on the same weights, dtype, threads and prompts.
 Tokens/s per request stream: ``batch * new tokens / wall time`` of the whole generation
@@ -97,6 +97,7 @@ def run(args) -> int:
         methods.append(("draft_target", dict(draft_model=str(args.draft))))
     if (args.mtp / "config.json").exists():
         methods.append(("mtp", dict(mtp_head=str(args.mtp))))
+    methods.append(("ngram", {}))   # prompt lookup: no model
     rows = []
 
     def add(batch, system, method, k, r):
@@ -168,7 +169,7 @@ def plot(rows: list[dict], out: Path, report: dict) -> Path:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         rs = [r for r in rows if r["batch"] == batch]
-        for method in ("draft_target", "mtp"):
+        for method in ("draft_target", "mtp", "ngram"):
             m = sorted((r for r in rs if r["method"] == method), key=lambda r: r["k"])
             if m:
                 ax.plot([r["k"] for r in m], [r["tokens_per_s"] for r in m], "o-", label=method)

@@ -23,7 +23,7 @@ PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n  
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--methods", default="none,draft_target,mtp")
+    p.add_argument("--methods", default="none,draft_target,mtp,ngram")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--max-tokens", type=int, default=96)

@@ -109,7 +109,7 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
     engine_args = {"page_size": m.page_size, "kv_layout": m.kv_layout, **engine_args}
     spec = engine_args.get("speculative")
     proposer_pool = None
-    if spec is not None and spec.enabled:
+    if spec is not None and spec.has_kv:
         have = [x.name for x in pool.spec.models]
         if spec.kv_name not in have:
             raise ValueError(f"speculative method {spec.method!r} keeps its KV as "

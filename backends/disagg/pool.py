@@ -34,7 +34,7 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
         return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                          page_size, dtype, kv_layout)
     models = (kv(TARGET, ModelConfig.from_dir(model_dir)),)
-    if speculative is not None and speculative.enabled:
+    if speculative is not None and speculative.has_kv:
         models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
     if headroom_pages is None:
         headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)

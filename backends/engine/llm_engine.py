@@ -17,6 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
+from .ngram import NgramProposer
 from .params import SamplingParams
 from .proposers import StepHidden, load_proposer_model, make_proposer
 from .sampler import sample, token_logprobs, verify_drafts
@@ -77,7 +78,7 @@ class LLMEngine:
         spec = config.speculative or SpeculativeConfig()
         if kv_pool is not None:
             check_pool_fits(kv_pool, cfg, dtype, config)
-            if spec.enabled and proposer_kv_pool is None:
+            if spec.has_kv and proposer_kv_pool is None:
                 raise ValueError("speculative decoding on an external KV pool needs "
                                  "proposer_kv_pool: the draft KV lives next to the target's")
             num_pages, self.allocator, self.pool = kv_pool.num_pages, allocator, kv_pool
@@ -103,6 +104,9 @@ class LLMEngine:
         """Draft KV pages share the target's page ids: one allocation serves both models."""
         if not spec.enabled:
             return None
+        if not spec.has_kv:
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                 spec.prompt_lookup_min)
         c = self.config
         model = load_proposer_model(spec, self.model, c.dtype, c.device)
         if pool is None:

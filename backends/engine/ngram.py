@@ -10,6 +10,9 @@ True
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from .sequence import Sequence
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, max_n: int = 3, min_n: int = 1
@@ -31,3 +34,38 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, max_n: int = 3, min_n:
             start = int(hits[-1]) + n
             return seq[start:start + k].tolist()
     return None
+
+
+class NgramProposer:
+    """The ``ngram`` method's proposer (the engine's proposer protocol, without a model
+    or KV). A sequence is ready when its tokens hold a match; a batch speculates only
+    when all of its sequences are, otherwise it decodes plainly (a verify step of k+1
+    positions costs more than a decode step, so a sequence without a proposal is not
+    padded into one)."""
+
+    def __init__(self, k: int, max_n: int, min_n: int):
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+        self._found: dict[str, list[int]] = {}   # this step's proposals, by request id
+
+    def ready(self, seq: Sequence) -> bool:
+        found = propose_ngram(seq.token_ids(0, seq.num_tokens), self.k, self.max_n, self.min_n)
+        if not found:
+            self._found.pop(seq.request_id, None)
+            return False
+        self._found[seq.request_id] = found
+        return True
+
+    def catch_up(self, seqs, step_hidden=None) -> None:
+        """Nothing to catch up: no model has to see the tokens."""
+
+    def propose(self, seqs: list[Sequence], k: int, process=None) -> torch.Tensor:
+        # a match near the end gives fewer than k tokens: the last one repeats (verified
+        # like any draft, so only speed depends on it)
+        rows = []
+        for s in seqs:
+            found = self._found.pop(s.request_id)
+            rows.append(found + [found[-1]] * (k - len(found)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def after_verify(self, seqs, tokens, target_hidden, starts) -> None:
+        """Nothing to roll back."""

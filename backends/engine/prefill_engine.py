@@ -99,7 +99,7 @@ class PrefillEngine:
             return KVPagePool.for_model(c, num_pages, config.page_size, dtype, config.kv_layout,
                                         config.device)
         proposer, spec = None, config.speculative
-        if spec is not None and spec.enabled:
+        if spec is not None and spec.has_kv:   # ngram has no KV to fill
             p = load_proposer_model(spec, model, config.dtype, config.device)
             proposer = (spec.kv_name, ProposerPrefill(p, model, pool(p.config)))
         return cls(model, pool(cfg), PageAllocator(num_pages), config.max_num_batched_tokens,

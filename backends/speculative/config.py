@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("draft_target", "mtp")
-KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}
+METHODS = ("draft_target", "mtp", "ngram")
+KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}     # ngram proposes without a model or KV
 NO_SPECULATION = "none"            # how settings and the CLI spell method=None
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
@@ -19,10 +19,18 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     draft_model: str | None = None
     mtp_head: str | None = None
+    # ngram (prompt lookup, vLLM's names): match the last n tokens, n from max down to min
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def has_kv(self) -> bool:
+        """The proposer is a model with a KV cache of its own (not ngram)."""
+        return self.method in KV_NAMES
 
     @property
     def kv_name(self) -> str | None:
@@ -54,3 +62,6 @@ class SpeculativeConfig:
             raise ValueError("method='draft_target' needs draft_model (a checkpoint directory)")
         if self.method == "mtp" and not self.mtp_head:
             raise ValueError("method='mtp' needs mtp_head (a checkpoint directory)")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
+                             f"{self.prompt_lookup_max}; allowed: 1 <= min <= max <= 16")

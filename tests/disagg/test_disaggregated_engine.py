@@ -192,10 +192,12 @@ def _speculative(method, demo_checkpoint, random_mtp_head):
     from tandem.backends.speculative import SpeculativeConfig
     if method == "draft_target":   # self-speculation: any wrong draft KV shows as rejections
         return SpeculativeConfig("draft_target", 3, draft_model=str(demo_checkpoint))
+    if method == "ngram":          # no proposer KV: the reservation holds the target's only
+        return SpeculativeConfig("ngram", 3, prompt_lookup_min=1)
     return SpeculativeConfig("mtp", 3, mtp_head=str(random_mtp_head))
 
 
-@pytest.mark.parametrize("method", ["draft_target", "mtp"])
+@pytest.mark.parametrize("method", ["draft_target", "mtp", "ngram"])
 def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, random_mtp_head,
                                                    make_decode_pool, rx_peer, prefill_peer,
                                                    method):
@@ -210,7 +212,7 @@ def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, 
     del co
 
     pool = make_decode_pool(model_dir, page_size=4, num_pages=64, speculative=spec)
-    assert [m.name for m in pool.spec.models] == ["target", spec.kv_name]
+    assert [m.name for m in pool.spec.models] == ["target"] + ([spec.kv_name] if spec.has_kv else [])
     start = pool.stats()
     rx_peer("rx_start", pool.spec.name)
     prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8,

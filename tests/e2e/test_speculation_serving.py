@@ -1,8 +1,8 @@
 """Speculative decoding through the server: greedy text of the disaggregated ensemble
 ``tandem`` and of ``tandem_colocated`` equals ``LLM.generate`` without speculation, for
-MTP (a random head: most drafts rejected) and draft-target (the model drafting for
+MTP (a random head: most drafts rejected), draft-target (the model drafting for
 itself: every draft accepted, so a wrong draft KV on the disaggregated path would show
-as rejections in the acceptance metric)."""
+as rejections in the acceptance metric) and ngram (prompt lookup: no proposer KV)."""
 from __future__ import annotations
 
 import time
@@ -31,11 +31,11 @@ def reference(demo_checkpoint):
     return {p: llm.generate(p, SamplingParams(max_tokens=12, temperature=0.0))[0].text for p in PROMPTS}
 
 
-@pytest.fixture(scope="module", params=["mtp", "draft_target"])
+@pytest.fixture(scope="module", params=["mtp", "draft_target", "ngram"])
 def server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
     method = request.param
-    extra = ({"mtp_head": str(random_mtp_head)} if method == "mtp"
-             else {"draft_model": str(demo_checkpoint)})
+    extra = {"mtp": {"mtp_head": str(random_mtp_head)}, "draft_target": {"draft_model": str(demo_checkpoint)},
+             "ngram": {}}[method]
     run_dir = tmp_path_factory.mktemp(f"serve-spec-{method}")
     srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
                                     num_speculative_tokens=3, **extra, **SETTINGS),
