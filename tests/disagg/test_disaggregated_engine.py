@@ -225,7 +225,9 @@ def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, 
         tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
         assert tokens == expected
         m = engine.engine.spec_metrics
-        assert m.num_drafts > 0
+        # ngram speculates only in steps where every sequence has a match, which depends
+        # on how the requests' arrivals overlap: its drafting is shown in tests/unit
+        assert m.num_drafts > 0 or method == "ngram"
         if method == "draft_target":
             assert m.acceptance_rate == 1.0 == co_metrics.acceptance_rate
     finally:
