@@ -30,7 +30,13 @@ test-unit: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
+# genai-perf (the `genai` extra) only for `make bench`: it brings pandas, pyarrow, plotly
+GENAI_STAMP := $(VENV)/.installed-genai
+$(GENAI_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,genai]'
+	@touch $(GENAI_STAMP)
+
 # every benchmark, one after another (about half an hour here); each writes docs/bench/<name>.json + .png
-BENCHMARKS := engine spec transfer spec-serving serving scaling load soak
-bench: $(STAMP)
+BENCHMARKS := engine spec transfer spec-serving serving scaling load soak genai-perf
+bench: $(STAMP) $(GENAI_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

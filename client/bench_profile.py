@@ -73,7 +73,6 @@ def python_frames(event) -> list[str]:
 
 def profile_steps(llm, prompts, steps: int, new_tokens: int) -> dict:
     """Admit ``prompts``, prefill them, then profile ``steps`` engine steps."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tandem.backends import SamplingParams

@@ -30,11 +30,14 @@ MODEL_NAME = "tandem"
 @dataclass(slots=True)
 class GenerateResponse:
     text: str
-    finish_reason: str          # "" until the final response
+    finish_reason: str          # "" until the sequence's last response
     num_input_tokens: int
     num_output_tokens: int
     final: bool
     output_ids: list[int] = field(default_factory=list)   # token-level models only
+    sequence_index: int = 0     # which of num_return_sequences
+    output_log_probs: list[float] = field(default_factory=list)   # with return_log_probs
+    cum_log_prob: float = 0.0   # with return_log_probs: the sequence's so far
 
 
 class GenerateError(RuntimeError):
@@ -44,10 +47,13 @@ class GenerateError(RuntimeError):
 def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: bool = True,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  seed: int | None = None, stop_words: list[str] | None = None,
-                 exclude_input_in_output: bool = True) -> list:
+                 bad_words: list[str] | None = None, num_return_sequences: int | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, min_tokens: int | None = None,
+                 return_log_probs: bool | None = None, exclude_input_in_output: bool = True) -> list:
     """The request tensors, each with the batch dimension (shape ``[1, ...]``): ``text_input``
     for a text prompt, ``input_ids`` for a list of token ids (``exclude_input_in_output``
-    concerns text only)."""
+    concerns text only); an option left None is not sent (the server's default)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value, dtype, triton_type: str):
@@ -63,11 +69,18 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
         inputs = [tensor("input_ids", [int(t) for t in prompt], np.int32, "INT32")]
     inputs += [tensor("max_tokens", max_tokens, np.int32, "INT32"), tensor("stream", stream, np.bool_, "BOOL")]
     optional = (("temperature", temperature, np.float32, "FP32"), ("top_p", top_p, np.float32, "FP32"),
-                ("top_k", top_k, np.int32, "INT32"), ("seed", seed, np.uint64, "UINT64"))
+                ("top_k", top_k, np.int32, "INT32"), ("seed", seed, np.uint64, "UINT64"),
+                ("num_return_sequences", num_return_sequences, np.int32, "INT32"),
+                ("repetition_penalty", repetition_penalty, np.float32, "FP32"),
+                ("presence_penalty", presence_penalty, np.float32, "FP32"),
+                ("frequency_penalty", frequency_penalty, np.float32, "FP32"),
+                ("min_tokens", min_tokens, np.int32, "INT32"),
+                ("return_log_probs", return_log_probs, np.bool_, "BOOL"))
     inputs += [tensor(name, value, dtype, triton_type) for name, value, dtype, triton_type in optional
                if value is not None]
-    if stop_words:
-        inputs.append(tensor("stop_words", [w.encode("utf-8") for w in stop_words], np.object_, "BYTES"))
+    for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
+        if words:
+            inputs.append(tensor(name, [w.encode("utf-8") for w in words], np.object_, "BYTES"))
     return inputs
 
 
@@ -77,7 +90,8 @@ def _first(result, name: str):
 
 
 def parse_response(result) -> GenerateResponse:
-    """A tritonclient gRPC result as a :class:`GenerateResponse`."""
+    """A tritonclient gRPC result as a :class:`GenerateResponse` (any of Tandem's models:
+    the ensembles' ``text_output`` has shape ``[1]``, the token-level models' ``[1, 1]``)."""
     response = result.get_response()
     final = bool(response.parameters["triton_final_response"].bool_param) \
         if "triton_final_response" in response.parameters else False
@@ -86,6 +100,7 @@ def parse_response(result) -> GenerateResponse:
     text = _first(result, "text_output")
     reason = _first(result, "finish_reason")
     ids = result.as_numpy("output_ids")
+    log_probs = result.as_numpy("output_log_probs")
     return GenerateResponse(
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text or ""),
         finish_reason=reason.decode("utf-8") if isinstance(reason, bytes) else str(reason or ""),
@@ -93,6 +108,9 @@ def parse_response(result) -> GenerateResponse:
         num_output_tokens=int(_first(result, "num_output_tokens") or 0),
         final=final,
         output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
+        sequence_index=int(_first(result, "sequence_index") or 0),
+        output_log_probs=[] if log_probs is None else [float(x) for x in log_probs.reshape(-1)],
+        cum_log_prob=float(_first(result, "cum_log_probs") or 0.0),
     )
 
 
@@ -154,33 +172,56 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--bad-word", dest="bad_words", action="append", default=[],
+                   help="a word never to generate (repeatable)")
+    p.add_argument("-n", "--num-return-sequences", type=int, help="independent samples of the prompt")
+    p.add_argument("--repetition-penalty", type=float, help="> 0; 1 = off")
+    p.add_argument("--presence-penalty", type=float, help="[-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, help="[-2, 2]; 0 = off")
+    p.add_argument("--min-tokens", type=int, help="no end before this many tokens")
+    p.add_argument("--logprobs", action="store_true", help="ask for log probs (shown with --json)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     params = dict(max_tokens=args.max_tokens, stream=args.stream, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_words=args.stop)
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop_words=args.stop,
+                  bad_words=args.bad_words, num_return_sequences=args.num_return_sequences,
+                  repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                  return_log_probs=args.logprobs or None)
+    several = (args.num_return_sequences or 1) > 1
+    texts: dict[int, list[str]] = {}
+    ends: dict[int, GenerateResponse] = {}
     last = None
     try:
         for response in stream_generate(args.url, args.prompt, timeout_s=args.timeout, model=args.model_name,
                                         **params):
             last = response
+            if response.finish_reason:
+                ends[response.sequence_index] = response
             if args.json:
                 print(json.dumps(asdict(response)), flush=True)
+            elif several:   # samples interleave: printed one after another at the end
+                texts.setdefault(response.sequence_index, []).append(response.text)
             else:
                 print(response.text, end="", flush=True)
     except GenerateError as exc:
-        return _fail(str(exc), mid_line=last is not None and not args.json)
+        return _fail(str(exc), mid_line=last is not None and not args.json and not several)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # anything the client library raises
-        return _fail(f"{args.url}: {exc}", mid_line=last is not None and not args.json)
+        return _fail(f"{args.url}: {exc}", mid_line=last is not None and not args.json and not several)
     if not args.json:
-        print()
-        if last is not None:
-            print(f"[{last.finish_reason or 'done'}: {last.num_input_tokens} prompt tokens, "
-                  f"{last.num_output_tokens} generated]", file=sys.stderr)
+        if several:
+            for i in sorted(texts):
+                print(f"--- sequence {i}\n{''.join(texts[i])}")
+        else:
+            print()
+        for i, end in sorted(ends.items()):
+            print(f"[{'' if not several else f'sequence {i}: '}{end.finish_reason}: {end.num_input_tokens} "
+                  f"prompt tokens, {end.num_output_tokens} generated]", file=sys.stderr)
     return 0
 
 

@@ -1,12 +1,14 @@
 """Render Tandem's model repository: copy ``model_repository/`` (the models a mode
 serves) into a run directory with each ``config.pbtxt``'s ``${name}`` placeholders
-filled from :meth:`ServeOptions.template_values <tandem.client.serve_options.ServeOptions.template_values>`.
+filled from :meth:`ServeOptions.template_values <tandem.client.serve_options.ServeOptions.template_values>`,
+and each alias (``tandem serve --ensemble-name``) as a copy of its ensemble under the new name.
 
 >>> render_repository(run_dir / "model_repository", options.template_values(),  # doctest: +SKIP
-...                   models=options.models)
+...                   models=options.models, aliases=options.aliases)
 """
 from __future__ import annotations
 
+import re
 import shutil
 import string
 from pathlib import Path
@@ -16,9 +18,10 @@ from .serve_options import ServerError
 
 
 def render_repository(dst: Path, values: dict[str, str], src: Path = MODEL_REPOSITORY,
-                      models: tuple[str, ...] | None = None) -> Path:
+                      models: tuple[str, ...] | None = None, aliases: dict[str, str] | None = None) -> Path:
     """Copy ``src`` (only ``models``, default all) to ``dst`` with each config.pbtxt's
-    ``${name}`` placeholders filled."""
+    ``${name}`` placeholders filled; ``aliases`` (``{name: model}``) serve a model's
+    config a second time under another name."""
     if dst.exists():
         shutil.rmtree(dst)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -33,5 +36,14 @@ def render_repository(dst: Path, values: dict[str, str], src: Path = MODEL_REPOS
             raise ServerError(f"{config.relative_to(dst)}: no value for placeholder ${{{exc.args[0]}}}") from None
         except ValueError as exc:  # a stray "$"; write "$$" for a literal one
             raise ServerError(f"{config.relative_to(dst)}: {exc}") from None
+        config.write_text(text)
+    for alias, model in (aliases or {}).items():
+        if not (dst / model).is_dir():
+            raise ServerError(f"{alias} would serve {model}, which this repository does not hold")
+        shutil.copytree(dst / model, dst / alias)
+        config = dst / alias / "config.pbtxt"
+        text, n = re.subn(rf'^name: "{re.escape(model)}"$', f'name: "{alias}"', config.read_text(), flags=re.M)
+        if n != 1:
+            raise ServerError(f"{model}/config.pbtxt: no name line to replace for {alias}")
         config.write_text(text)
     return dst

@@ -18,6 +18,8 @@ from tandem.backends.models.config import DTYPES
 from tandem.backends.speculative.config import METHODS, NO_SPECULATION
 
 from .serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
+from .openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
+from .openai.frontend import FrontendError, start_for
 from .triton_server import TritonServer
 
 
@@ -31,6 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
+                   help="port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) in front of the text ensembles, on --host (default: %(default)s; 0: off)")
     p.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     p.add_argument("--page-size", type=int, default=defaults.page_size,
                    help="tokens per KV page (default: %(default)s)")
@@ -59,6 +64,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
                         "the ensemble tandem_colocated (preprocess, llm, postprocess); both: all of them; "
                         "prefill: a prefill server for decode servers started with --prefill-endpoints")
+    p.add_argument("--ensemble-name", default=defaults.ensemble_name, metavar="NAME",
+                   help="also serve the text ensemble (tandem; tandem_colocated with --mode colocated; "
+                        "tandem with --mode both) under NAME, e.g. ensemble: the name scripts written for "
+                        "the TensorRT-LLM backend call (default: none)")
     p.add_argument("--model-control-mode", choices=("none", "explicit"), default="explicit",
                    help="explicit (default): every model loaded at start, Triton's repository API open "
                         "(load/unload models, roll versions; the supervisor reloads a dead model through "
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, torch_threads=args.threads,
         spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
-        prefill_endpoints=args.prefill_endpoints, faults=args.faults,
+        prefill_endpoints=args.prefill_endpoints, faults=args.faults, ensemble_name=args.ensemble_name,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,
@@ -104,18 +113,24 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     _log_to_stderr()
+    api = None
     try:
         server.start()
+        api = start_for(server, args.openai_port)   # None when off or nothing to front
         phase[0] = "serving"
         print(f"tandem: serving {options.model_dir} ({options.mode})", flush=True)
         for name in options.ensembles:
-            print(f"  ensemble {name:<17} {ENSEMBLES[name]}")
+            alias_of = options.aliases.get(name)
+            what = ENSEMBLES[name] if alias_of is None else f"= {alias_of}, under a TensorRT-LLM client's name"
+            print(f"  ensemble {name:<17} {what}")
         if options.ensembles:
             print(f"  HTTP     http://{server.http_url}   (POST /v2/models/{options.ensembles[0]}/generate_stream)")
         else:
             print(f"  HTTP     http://{server.http_url}   (model prefill: decode servers' jobs)")
         print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
+        if api is not None:
+            print(f"  OpenAI   {api.base_url}   (/completions, /chat/completions, /models; its metrics: /metrics)")
         if server.supervise:
             print("  supervised: a dead model is reloaded, a dead server restarted")
         print("Ctrl-C to stop.", flush=True)
@@ -126,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             stop.wait(0.5)
         print("tandem: shutting down", flush=True)
         return 0
-    except ServerError as exc:
+    except (ServerError, FrontendError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -134,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         phase[0] = "stopping"
+        if api is not None:
+            api.stop()
         server.cleanup()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -7,12 +7,15 @@ defaulted here.
 
 >>> ServeOptions(mode="colocated").ensembles
 ('tandem_colocated',)
+>>> ServeOptions(mode="both", ensemble_name="ensemble").aliases
+{'ensemble': 'tandem'}
 >>> ServeOptions().page_size == ENGINE_DEFAULTS["page_size"]
 True
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +40,11 @@ MODES = {
     "both": DISAGGREGATED + tuple(m for m in COLOCATED if m not in DISAGGREGATED),
     "prefill": PREFILL,
 }
+# the text ensemble of each mode, which --ensemble-name serves under a second name (the
+# TensorRT-LLM backend's clients accept only "ensemble" and "tensorrt_llm_bls"); with
+# "both", the disaggregated one (tandem_colocated keeps its own name)
+TEXT_ENSEMBLE = {"disaggregated": "tandem", "colocated": "tandem_colocated", "both": "tandem"}
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 class ServerError(RuntimeError):
@@ -63,6 +71,7 @@ class ServeOptions:
     mode: str = "disaggregated"           # disaggregated | colocated | both | prefill (MODES)
     prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
     faults: str = ""                      # fault injection (tests, benchmarks; format: tandem.rdma.faults); "" = off
+    ensemble_name: str = ""               # also serve the mode's text ensemble under this name ("" = no)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -77,11 +86,29 @@ class ServeOptions:
                 parse_endpoints(self.prefill_endpoints)
             except ValueError as e:
                 raise ServerError(str(e).replace("prefill_endpoints", "--prefill-endpoints")) from None
-        return MODES[self.mode]
+        return MODES[self.mode] + tuple(self.aliases)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """``{name: ensemble}``: the mode's text ensemble (:data:`TEXT_ENSEMBLE`) served a
+        second time under ``ensemble_name``, the same steps behind both names."""
+        name = self.ensemble_name
+        if not name:
+            return {}
+        if self.mode not in TEXT_ENSEMBLE:
+            raise ServerError(f"--ensemble-name names a text ensemble; --mode {self.mode} serves none")
+        if not _MODEL_NAME.fullmatch(name):
+            raise ServerError(f"--ensemble-name {name!r}: allowed: letters, digits, '_', '.' and '-' "
+                              "(a model directory name), not starting with '.' or '-'")
+        taken = {m for models in MODES.values() for m in models}
+        if name in taken:
+            raise ServerError(f"--ensemble-name {name!r} is the name of one of Tandem's models; allowed: "
+                              f"any other name, e.g. ensemble")
+        return {name: TEXT_ENSEMBLE[self.mode]}
 
     @property
     def ensembles(self) -> tuple[str, ...]:
-        return tuple(m for m in self.models if m in ENSEMBLES)
+        return tuple(m for m in self.models if m in ENSEMBLES or m in self.aliases)
 
     def template_values(self) -> dict[str, str]:
         if any(c in self.faults for c in '"\\\n'):

@@ -134,7 +134,7 @@ class TritonServer:
         layout = find_triton()
         backend_dir = prepare_backend_dir(layout, self.run_dir)
         repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
-                                 models=self.options.models)
+                                 models=self.options.models, aliases=self.options.aliases)
         self._launch_args = (layout, backend_dir, repo)
         pick = [name for name in ("http_port", "grpc_port", "metrics_port") if not getattr(self, name)]
         for attempt in range(3):

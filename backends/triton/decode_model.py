@@ -6,7 +6,9 @@ plus ``kv_descriptor`` and ``prefill_ack`` from the steps before it. It differs 
 pool (which kv_transfer receives into), and a request with a ``kv_descriptor`` is
 submitted as prefilled — the engine admits it when the reservation's counter
 completes (polled without blocking the batch), then runs the last prompt token as a
-decode token and samples the first output token.
+decode token and samples the first output token. With ``num_return_sequences`` n > 1
+the transferred KV feeds the first sample; the engine shares no pages between
+sequences, so decode prefills the other n - 1 itself.
 
 A descriptor is checked whole before the engine sees it (limits, this pool's slot
 range, page ids and geometry, and the reservation's secret): a forged or stale one is
@@ -37,12 +39,14 @@ class TritonPythonModel(_StreamingModel):
         self.metrics.poll_engine(self.engine.engine, pool=self.pool,
                                  failures=self.engine.transfer_failures)
 
-    def _submit(self, request, parsed, on_output) -> str:
+    def _submit(self, request, parsed, index: int, on_output) -> str:
         from tandem.backends.disagg import SharedPoolTicket
 
         desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
-        params = parsed.sampling_params()
-        if desc == NO_TRANSFER:
+        params = parsed.sampling_params(index, self.engine.tokenizer)
+        if desc == NO_TRANSFER or index > 0:
+            # the transferred KV feeds sample 0; the engine has no page sharing, so the
+            # other samples of num_return_sequences prefill here
             return self.engine.submit(parsed.prompt, params, on_output)
         try:
             ticket = SharedPoolTicket.for_descriptor(self.pool, desc, len(parsed.prompt))

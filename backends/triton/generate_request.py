@@ -1,16 +1,20 @@
-"""Request and response tensors of Tandem's Triton models, without Triton.
+"""Request tensors of Tandem's Triton models, without Triton.
 
-The interface is the TensorRT-LLM backend's, so its clients, ``genai-perf``,
-``perf_analyzer`` and Triton's HTTP ``generate``/``generate_stream`` endpoints work
-unchanged. A request comes in one of two forms that share the sampling inputs:
+The interface is the TensorRT-LLM backend's text ensemble (v0.14.0's names, and the
+newer ``min_tokens``, ``seed``, ``exclude_input_in_output`` and ``return_num_*``), so its
+clients, ``genai-perf``, ``perf_analyzer`` and Triton's HTTP ``generate`` /
+``generate_stream`` endpoints work unchanged. A request comes in one of two forms that
+share the sampling inputs:
 
 - text: ``text_input`` (the ensembles ``tandem`` and ``tandem_colocated``, and their
   ``preprocess`` step): :func:`parse_generate_request`;
 - token ids: ``input_ids`` (``llm``, ``decode``, ``kv_transfer`` and the ensemble
   ``tandem_tokens``): :func:`parse_token_request`, the one parser those models share.
 
-Every tensor carries the batch dimension (``max_batch_size: 1``), so a client sends
-``text_input`` with shape ``[1, 1]`` and ``input_ids`` with shape ``[1, n]``.
+Every tensor carries the batch dimension (``max_batch_size: 1``): a client sends
+``text_input`` with shape ``[1, 1]``, ``input_ids``, ``stop_words`` and the other lists
+with shape ``[1, n]``. :data:`INPUTS` gives each input's Triton type and dims (the
+configs declare exactly these; a unit test holds them to it).
 
 Inputs and defaults (all but ``text_input`` / ``input_ids`` optional):
 
@@ -25,26 +29,51 @@ stream                      BOOL    false        true: one response per engine s
 temperature                 FP32    1.0          >= 0; 0 = greedy
 top_p                       FP32    1.0          (0, 1]; 1 = no nucleus filter
 top_k                       INT32   0            >= 0; 0 = no top-k filter
-seed                        UINT64  (random)     any (``random_seed`` is accepted too)
+seed, random_seed           UINT64  (random)     any; ``seed`` wins when both are given
 stop_words                  STRING  none         up to 16 strings of up to 256 characters;
-                                                 text stops before them
+                                                 text stops before them; "" ignored
+bad_words                   STRING  none         up to 16 non-blank strings of up to 256
+                                                 characters, never generated; "" ignored
 end_id                      INT32   model's EOS  a token id; replaces the EOS token
+pad_id                      INT32   none         a token id; accepted, never used (no
+                                                 response is padded)
+num_return_sequences        INT32   1            1..16 independent samples of the prompt
+                                                 (seeded: seed + i), each response
+                                                 carrying its ``sequence_index``
+beam_width                  INT32   1            1 (no beam search)
+repetition_penalty          FP32    1.0          > 0; 1 = off
+presence_penalty            FP32    0.0          [-2, 2]; 0 = off
+frequency_penalty           FP32    0.0          [-2, 2]; 0 = off
+min_tokens, min_length      INT32   0            0..max_tokens: no EOS / stop before that
+                                                 many tokens; ``min_tokens`` wins
+length_penalty              FP32    1.0          finite; accepted, no effect (it only
+                                                 ranks beams)
+embedding_bias_words        STRING  none         up to 64 words of up to 256 characters,
+embedding_bias_weights      FP32    none         with one finite weight each: every token
+                                                 of a word gets its weight added to its
+                                                 logit; "" ignored
+return_log_probs            BOOL    false        true: ``cum_log_probs`` and
+                                                 ``output_log_probs`` carry them
+return_context_logits       BOOL    false        false (no logits are returned)
+return_generation_logits    BOOL    false        false (no logits are returned)
+return_num_input_tokens     BOOL    false        any; the outputs are on every response
+return_num_output_tokens    BOOL    false        any; the outputs are on every response
+return_finish_reason        BOOL    false        any; the outputs are on every response
 exclude_input_in_output     BOOL    false        text form only: false makes the
                                                  non-streaming text start with the
                                                  prompt (as in TensorRT-LLM); streaming
                                                  never repeats the prompt
 ==========================  ======  ===========  ==========================================
 
-Outputs: ``text_output`` (STRING), ``finish_reason`` (STRING: ``""`` until the last
-response, then ``stop``, ``length`` or ``abort``), ``num_input_tokens`` and
-``num_output_tokens`` (UINT32, cumulative); the token-level models add
-``output_ids`` (INT32 [-1]: this response's new token ids).
+The ``return_*`` gates cannot withhold an output: Triton's ensemble sends a streamed
+response only when it has every requested output, and perf_analyzer and genai-perf
+request them all. The outputs are :mod:`.response_arrays`'.
 
 >>> inputs = {"text_input": np.array([[b"def f():"]], dtype=object),
 ...           "max_tokens": np.array([[8]], dtype=np.int32)}
 >>> req = parse_generate_request(inputs.get)
->>> (req.prompt, req.max_tokens, req.stream)
-('def f():', 8, False)
+>>> (req.prompt, req.max_tokens, req.stream, req.num_return_sequences)
+('def f():', 8, False, 1)
 >>> req = parse_token_request({"input_ids": np.array([[5, 9]], dtype=np.int32)}.get,
 ...                           vocab_size=100, max_model_len=64)
 >>> req.prompt
@@ -55,21 +84,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
-SAMPLING_NAMES = ("max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "random_seed",
-                  "stop_words", "end_id")
+# name -> (Triton type, dims without the batch dimension); all optional
+SAMPLING_INPUTS = {
+    "max_tokens": ("TYPE_INT32", [1]),
+    "stream": ("TYPE_BOOL", [1]),
+    "temperature": ("TYPE_FP32", [1]),
+    "top_p": ("TYPE_FP32", [1]),
+    "top_k": ("TYPE_INT32", [1]),
+    "seed": ("TYPE_UINT64", [1]),
+    "random_seed": ("TYPE_UINT64", [1]),
+    "stop_words": ("TYPE_STRING", [-1]),
+    "bad_words": ("TYPE_STRING", [-1]),
+    "end_id": ("TYPE_INT32", [1]),
+    "pad_id": ("TYPE_INT32", [1]),
+    "num_return_sequences": ("TYPE_INT32", [1]),
+    "beam_width": ("TYPE_INT32", [1]),
+    "repetition_penalty": ("TYPE_FP32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]),
+    "frequency_penalty": ("TYPE_FP32", [1]),
+    "min_tokens": ("TYPE_INT32", [1]),
+    "min_length": ("TYPE_INT32", [1]),
+    "length_penalty": ("TYPE_FP32", [1]),
+    "embedding_bias_words": ("TYPE_STRING", [-1]),
+    "embedding_bias_weights": ("TYPE_FP32", [-1]),
+    "return_log_probs": ("TYPE_BOOL", [1]),
+    "return_context_logits": ("TYPE_BOOL", [1]),
+    "return_generation_logits": ("TYPE_BOOL", [1]),
+    "return_num_input_tokens": ("TYPE_BOOL", [1]),
+    "return_num_output_tokens": ("TYPE_BOOL", [1]),
+    "return_finish_reason": ("TYPE_BOOL", [1]),
+}
+INPUTS = {"text_input": ("TYPE_STRING", [1]), "input_ids": ("TYPE_INT32", [-1]), **SAMPLING_INPUTS,
+          "exclude_input_in_output": ("TYPE_BOOL", [1])}
+SAMPLING_NAMES = tuple(SAMPLING_INPUTS)
 INPUT_NAMES = ("text_input", *SAMPLING_NAMES, "exclude_input_in_output")
 TOKEN_INPUT_NAMES = ("input_ids", *SAMPLING_NAMES)
-OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
-TOKEN_OUTPUT_NAMES = ("output_ids", *OUTPUT_NAMES)
 
 GetInput = Callable[[str], "np.ndarray | None"]
 # each generated token is checked against every stop word on the engine thread
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256
+MAX_BIAS_WORDS = 64
+MAX_RETURN_SEQUENCES = 16
+UINT64 = 1 << 64
 
 
 class RequestError(ValueError):
@@ -90,11 +151,27 @@ class GenerateRequest:
     top_k: int = 0
     seed: int | None = None
     stop_words: list[str] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
     end_id: int | None = None
+    pad_id: int | None = None                  # accepted; nothing is padded
+    num_return_sequences: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    length_penalty: float = 1.0                # accepted; ranks beams only, and there are none
+    embedding_bias: list[tuple[str, float]] = field(default_factory=list)
+    return_log_probs: bool = False
     exclude_input_in_output: bool = False
 
-    def sampling_params(self):
-        """The engine's ``SamplingParams`` for this request."""
+    def sampling_params(self, index: int = 0, tokenizer=None):
+        """The engine's ``SamplingParams`` for sample ``index`` of this request (a seeded
+        request's sample ``i`` gets ``seed + i``). ``tokenizer`` turns
+        ``embedding_bias_words`` into token ids; required when the request has them.
+
+        >>> GenerateRequest([1], seed=7, num_return_sequences=2).sampling_params(1).seed
+        8
+        """
         from tandem.backends.engine.params import SamplingParams
 
         return SamplingParams(
@@ -102,12 +179,41 @@ class GenerateRequest:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else (self.seed + index) % UINT64,
             stop=list(self.stop_words),
             stop_token_ids=[] if self.end_id is None else [self.end_id],
             # end_id replaces the model's EOS, as TensorRT-LLM's end_id does
             ignore_eos=self.end_id is not None,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_tokens=self.min_tokens,
+            bad_words=list(self.bad_words),
+            logit_bias=logit_bias(self.embedding_bias, tokenizer),
+            logprobs=self.return_log_probs,
         )
+
+
+def logit_bias(words: list[tuple[str, float]], tokenizer) -> dict[int, float]:
+    """TensorRT-LLM's embedding bias as the engine's ``logit_bias``: every token of each
+    word (tokenized without special tokens) gets the word's weight added; a token in
+    several words gets the sum.
+
+    >>> class Tok:
+    ...     def encode(self, text, add_special_tokens=True):
+    ...         return type("E", (), {"ids": [ord(c) for c in text]})()
+    >>> logit_bias([("ab", 1.5), ("b", -1.0)], Tok())
+    {97: 1.5, 98: 0.5}
+    """
+    if not words:
+        return {}
+    if tokenizer is None:
+        raise RequestError("embedding_bias_words", "this model has no tokenizer to turn words into tokens")
+    bias: dict[int, float] = {}
+    for word, weight in words:
+        for token in tokenizer.encode(word, add_special_tokens=False).ids:
+            bias[int(token)] = bias.get(int(token), 0.0) + weight
+    return bias
 
 
 # ---- reading one field --------------------------------------------------------------
@@ -136,12 +242,12 @@ def flag(get: GetInput, name: str, default: bool) -> bool:
     return default if value is None else bool(value)
 
 
-def _int(get: GetInput, name: str, default, minimum: int, allowed: str):
+def _int(get: GetInput, name: str, default, minimum: int, allowed: str, maximum: int | None = None):
     value = scalar(get, name)
     if value is None:
         return default
     value = int(value)
-    if value < minimum:
+    if value < minimum or (maximum is not None and value > maximum):
         raise RequestError(name, f"got {value}; allowed: {allowed}")
     return value
 
@@ -156,42 +262,93 @@ def _float(get: GetInput, name: str, default: float, ok: Callable[[float], bool]
     return value
 
 
+def _words(get: GetInput, name: str, limit: int, allowed: str) -> list[str]:
+    """A STRING list (``[1, N]``); empty strings are TensorRT-LLM's padding of ragged
+    lists and are dropped. Bounded before anything is decoded."""
+    arr = get(name)
+    if arr is None:
+        return []
+    arr = np.asarray(arr).reshape(-1)
+    if arr.size > 4 * limit:   # before decoding anything (padding aside)
+        raise RequestError(name, f"has {arr.size} entries; allowed: up to {limit} {allowed}")
+    words = []
+    for w in arr:
+        text = as_text(w, name)
+        if len(text) > MAX_STOP_WORD_CHARS:
+            raise RequestError(name, f"an entry has {len(text)} characters; allowed: up to "
+                                     f"{MAX_STOP_WORD_CHARS}")
+        words.append(text)
+    if sum(1 for w in words if w) > limit:
+        raise RequestError(name, f"has {sum(1 for w in words if w)} {allowed}; allowed: up to {limit}")
+    return words
+
+
+def _embedding_bias(get: GetInput) -> list[tuple[str, float]]:
+    words = _words(get, "embedding_bias_words", MAX_BIAS_WORDS, "words")
+    weights = get("embedding_bias_weights")
+    weights = [] if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
+    if len(words) != len(weights):
+        raise RequestError("embedding_bias_weights", f"has {len(weights)} weights for {len(words)} "
+                                                     "embedding_bias_words; allowed: one weight per word")
+    for w in weights:
+        if not math.isfinite(w):
+            raise RequestError("embedding_bias_weights", f"got {w}; allowed: finite numbers")
+    return [(word, float(w)) for word, w in zip(words, weights) if word]
+
+
+def _refused(get: GetInput, name: str, why: str) -> None:
+    if flag(get, name, False):
+        raise RequestError(name, f"not supported: {why}; allowed: false")
+
+
 # ---- the two request forms ------------------------------------------------------------
 def _sampling(get: GetInput, vocab_size: int | None) -> dict:
     """The sampling inputs both forms share, validated."""
     seed = scalar(get, "seed")
     if seed is None:
         seed = scalar(get, "random_seed")
+    min_tokens = scalar(get, "min_tokens")
+    min_name = "min_tokens" if min_tokens is not None else "min_length"
 
-    stop_words: list[str] = []
-    words = get("stop_words")
-    if words is not None:
-        words = np.asarray(words).reshape(-1)
-        if words.size > 4 * MAX_STOP_WORDS:   # before decoding anything (padding aside)
-            raise RequestError("stop_words", f"has {words.size} entries; allowed: up to {MAX_STOP_WORDS}")
-        for w in words:
-            text = as_text(w, "stop_words")
-            if len(text) > MAX_STOP_WORD_CHARS:
-                raise RequestError("stop_words", f"a stop word has {len(text)} characters; allowed: up to "
-                                                 f"{MAX_STOP_WORD_CHARS}")
-            if text:  # TensorRT-LLM pads ragged lists with empty strings
-                stop_words.append(text)
-        if len(stop_words) > MAX_STOP_WORDS:
-            raise RequestError("stop_words", f"has {len(stop_words)} words; allowed: up to {MAX_STOP_WORDS}")
+    stop_words = [w for w in _words(get, "stop_words", MAX_STOP_WORDS, "words") if w]
+    bad_words = [w for w in _words(get, "bad_words", MAX_STOP_WORDS, "words") if w]
+    for w in bad_words:
+        if not w.strip():
+            raise RequestError("bad_words", f"got {w!r}; allowed: non-blank strings")
 
-    end_id = _int(get, "end_id", None, 0, "a token id >= 0")
-    if end_id is not None and vocab_size is not None and end_id >= vocab_size:
-        raise RequestError("end_id", f"got {end_id}; allowed: a token id in [0, {vocab_size - 1}]")
+    vocab = "a token id >= 0" if vocab_size is None else f"a token id in [0, {vocab_size - 1}]"
+    top = None if vocab_size is None else vocab_size - 1
+    end_id = _int(get, "end_id", None, 0, vocab, top)
+    pad_id = _int(get, "pad_id", None, 0, vocab, top)
 
+    _int(get, "beam_width", 1, 1, "1 (Tandem has no beam search; num_return_sequences gives several "
+         "samples)", 1)
+    _refused(get, "return_context_logits", "Tandem returns no context logits")
+    _refused(get, "return_generation_logits", "Tandem returns no generation logits")
+
+    max_tokens = _int(get, "max_tokens", 16, 1, "an integer >= 1")
     return dict(
-        max_tokens=_int(get, "max_tokens", 16, 1, "an integer >= 1"),
+        max_tokens=max_tokens,
         stream=flag(get, "stream", False),
         temperature=_float(get, "temperature", 1.0, lambda v: v >= 0.0, "a number >= 0 (0 = greedy)"),
         top_p=_float(get, "top_p", 1.0, lambda v: 0.0 < v <= 1.0, "a number in (0, 1] (1 = no nucleus filter)"),
         top_k=_int(get, "top_k", 0, 0, "an integer >= 0 (0 = no top-k filter)"),
         seed=None if seed is None else int(seed),
         stop_words=stop_words,
+        bad_words=bad_words,
         end_id=end_id,
+        pad_id=pad_id,
+        num_return_sequences=_int(get, "num_return_sequences", 1, 1,
+                                  f"an integer in [1, {MAX_RETURN_SEQUENCES}]", MAX_RETURN_SEQUENCES),
+        repetition_penalty=_float(get, "repetition_penalty", 1.0, lambda v: v > 0, "a number > 0 (1 = off)"),
+        presence_penalty=_float(get, "presence_penalty", 0.0, lambda v: -2 <= v <= 2,
+                                "a number in [-2, 2] (0 = off)"),
+        frequency_penalty=_float(get, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2,
+                                 "a number in [-2, 2] (0 = off)"),
+        min_tokens=_int(get, min_name, 0, 0, f"an integer in [0, max_tokens={max_tokens}]", max_tokens),
+        length_penalty=_float(get, "length_penalty", 1.0, lambda v: True, "a finite number"),
+        embedding_bias=_embedding_bias(get),
+        return_log_probs=flag(get, "return_log_probs", False),
     )
 
 
@@ -260,27 +417,3 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, p
     if max_tokens > room:
         raise RequestError("max_tokens", f"got {max_tokens}; the prompt has {num_prompt_tokens} tokens of a "
                                          f"{max_model_len}-token context; allowed: <= {room}")
-
-
-# ---- responses -------------------------------------------------------------------------
-def string_array(text: str | bytes) -> np.ndarray:
-    """A STRING tensor of one value, with the batch dimension."""
-    return np.array([[text if isinstance(text, bytes) else text.encode("utf-8")]], dtype=np.object_)
-
-
-def output_arrays(text: str, finish_reason: str | None, num_input_tokens: int,
-                  num_output_tokens: int) -> dict[str, np.ndarray]:
-    """One response's text outputs, each with a batch dimension of 1."""
-    return {
-        "text_output": string_array(text),
-        "finish_reason": string_array(finish_reason or ""),
-        "num_input_tokens": np.array([[num_input_tokens]], dtype=np.uint32),
-        "num_output_tokens": np.array([[num_output_tokens]], dtype=np.uint32),
-    }
-
-
-def token_output_arrays(token_ids: Sequence[int], text: str, finish_reason: str | None,
-                        num_input_tokens: int, num_output_tokens: int) -> dict[str, np.ndarray]:
-    """A token-level model's response: ``output_ids`` and the text outputs."""
-    return {"output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, -1),
-            **output_arrays(text, finish_reason, num_input_tokens, num_output_tokens)}

@@ -16,14 +16,17 @@ while another step is still in flight (later responses skip its in-flight count)
 postprocess steps for earlier tokens may still be running; the ensemble's client
 already got its CANCELLED from the cancelled call.
 
-A stream is registered before it is submitted (its replies carry the key from the
-first token on), so a cancellation that arrives before ``submit`` returns is applied
-once the engine request id is known (:meth:`InFlight.started`).
+A stream is one engine request per sequence (``num_return_sequences``). It is
+registered before it is submitted (its replies carry the key from the first token on),
+so a cancellation that arrives before ``submit`` returns is applied once the engine
+request id is known (:meth:`InFlight.started`); the entry stays until every sequence
+was submitted (:meth:`InFlight.submitted`) or the stream ended. A stream that ends
+early (one sequence failed) has its other sequences aborted (:meth:`InFlight.ended`).
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .response_stream import ResponseStream
 
@@ -32,7 +35,8 @@ from .response_stream import ResponseStream
 class _Entry:
     request: object             # the Triton request (``is_cancelled()``)
     stream: ResponseStream
-    rid: str | None = None      # the engine's request id, once submitted
+    rids: dict = field(default_factory=dict)   # sequence index -> the engine's request id
+    all_submitted: bool = False
     cancelled: bool = False
 
 
@@ -51,40 +55,57 @@ class InFlight:
         with self._cv:
             self._entries[key] = _Entry(request, stream)
 
-    def started(self, key: str, rid: str) -> None:
-        """The engine accepted the stream's request as ``rid``."""
-        abort = False
+    def started(self, key: str, rid: str, index: int = 0) -> None:
+        """The engine accepted sequence ``index`` of the stream as ``rid``; aborted at
+        once when the stream was cancelled or ended meanwhile."""
         with self._cv:
             e = self._entries.get(key)
-            if e is None:       # finished before submit returned
+            if e is None:
                 return
-            e.rid = rid
-            if e.cancelled or e.stream.closed:
-                del self._entries[key]
-                abort = e.cancelled
-            else:
+            e.rids[index] = rid
+            abort = e.cancelled or (e.stream.closed and index in e.stream.unfinished())
+            if not abort:
                 self._cv.notify()
         if abort:
             self._engine.abort(rid)
 
-    def discard(self, key: str) -> None:
+    def submitted(self, key: str) -> None:
+        """Every sequence of the stream was submitted (or submitting stopped)."""
         with self._cv:
-            self._entries.pop(key, None)
+            e = self._entries.get(key)
+            if e is None:
+                return
+            e.all_submitted = True
+            if e.cancelled or e.stream.closed:
+                del self._entries[key]
+
+    def ended(self, key: str) -> None:
+        """The stream sent its final reply: forget it, and abort its sequences the
+        engine still runs (a sibling failed)."""
+        with self._cv:
+            e = self._entries.get(key)
+            if e is None:
+                return
+            if e.all_submitted:
+                del self._entries[key]
+            rids = [rid for i, rid in e.rids.items() if i in e.stream.unfinished()]
+        for rid in rids:
+            self._engine.abort(rid)
 
     def cancel(self, key: str, notify: bool = True) -> bool:
         """Cancel the stream ``key`` (any thread); False if it is unknown or had ended.
         ``notify`` False ends it with the bare final flag rather than a CANCELLED error."""
         with self._cv:
             e = self._entries.get(key)
-            if e is None:
+            if e is None or e.cancelled:
                 return False
             e.cancelled = True
-            rid = e.rid
-            if rid is not None:     # else started() aborts it
+            rids = list(e.rids.values())     # the others are aborted by started()
+            if e.all_submitted:
                 del self._entries[key]
         if not e.stream.cancel(notify=notify):
             return False
-        if rid is not None:
+        for rid in rids:
             self._engine.abort(rid)
         return True
 
@@ -111,7 +132,7 @@ class InFlight:
             snapshot = [(key, e.request, e.stream) for key, e in self._entries.items()]
         for key, request, stream in snapshot:
             if stream.closed:
-                self.discard(key)
+                self.ended(key)
             elif stream.client_cancelled(request.is_cancelled):
                 self.cancel(key)
 
@@ -123,6 +144,7 @@ class InFlight:
             self._entries.clear()
             self._cv.notify_all()
         for e in entries:
-            if e.stream.fail(message, code="UNAVAILABLE") and e.rid is not None:
-                self._engine.abort(e.rid)
+            if e.stream.fail(message, code="UNAVAILABLE"):
+                for rid in e.rids.values():
+                    self._engine.abort(rid)
         self._thread.join(timeout=5)

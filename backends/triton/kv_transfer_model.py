@@ -60,7 +60,7 @@ class TritonPythonModel(PerRequestModel):
         try:
             parsed = parse_token_request(get, self.vocab_size, self.max_model_len)
             n = len(parsed.prompt)
-            self._check_fits(n, parsed.max_tokens)
+            self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         try:
@@ -74,9 +74,9 @@ class TritonPythonModel(PerRequestModel):
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
 
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def _check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int = 1) -> None:
         """Refuse what the pool can never hold (decode would refuse it after the
-        prefill): the whole sequence in the pool, its prompt in one reservation."""
+        prefill): every sample's whole sequence in the pool, its prompt in one reservation."""
         from tandem.rdma.plan import pages_needed
 
         spec, page_size = self.pool.spec, self.pool.spec.models[0].page_size
@@ -85,6 +85,10 @@ class TritonPythonModel(PerRequestModel):
             raise RequestError("max_tokens", f"the prompt ({prompt_len} tokens) + max_tokens "
                                f"({max_tokens}) need {need} KV pages; the decode pool has "
                                f"{spec.num_pages} (lower max_tokens, or serve with more num_pages)")
+        if need * num_sequences > spec.num_pages:
+            raise RequestError("num_return_sequences", f"{num_sequences} samples need {need} KV pages "
+                               f"each; the decode pool has {spec.num_pages} (ask for fewer samples, or "
+                               "serve with more num_pages)")
         prompt_pages = pages_needed(max(prompt_len - 1, 1), page_size)
         if prompt_pages > self.pool.max_reservable_pages():
             raise RequestError("input_ids", f"the prompt needs {prompt_pages} KV pages; a "

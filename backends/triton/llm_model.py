@@ -33,10 +33,11 @@ import triton_python_backend_utils as pb_utils
 
 from .inputs import input_getter
 from .cancel_channel import CANCEL_TOKEN, CancelListener
-from .generate_request import TOKEN_OUTPUT_NAMES, RequestError, parse_token_request, scalar, string_array
+from .generate_request import RequestError, parse_token_request, scalar
 from .in_flight import InFlight
 from .metrics import EngineMetrics, Poller
 from .postprocess import PROMPT_ECHO
+from .response_arrays import ENGINE_OUTPUT_NAMES, string_array
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
 
@@ -107,9 +108,11 @@ class TritonPythonModel:
         """Engine counters and KV pages (the decode model adds the shared pool)."""
         self.metrics.poll_engine(self.engine.engine)
 
-    def _submit(self, request, parsed, on_output) -> str:
-        """Hand a parsed request to the engine; returns its engine request id."""
-        return self.engine.submit(parsed.prompt, parsed.sampling_params(), on_output)
+    def _submit(self, request, parsed, index: int, on_output) -> str:
+        """Hand sample ``index`` of a parsed request to the engine; returns its engine
+        request id (the decode model submits sample 0 on the transferred KV)."""
+        params = parsed.sampling_params(index, self.engine.tokenizer)
+        return self.engine.submit(parsed.prompt, params, on_output)
 
     def execute(self, requests):
         for request in requests:
@@ -136,40 +139,49 @@ class TritonPythonModel:
         stream = ResponseStream(parsed, lambda reply: _send(sender, reply), relay)
         in_flight, metrics = self.in_flight, self.metrics
 
-        clock = None
-
-        def on_output(out) -> None:  # engine thread
+        def on_output(out, index: int, clock) -> None:  # engine thread
             try:
                 metrics.output(clock, out)
-                stream.on_output(out)
+                stream.on_output(out, index)
             except Exception as exc:
                 _log("error", f"response failed: {traceback.format_exc()}")
                 if stream.fail(f"internal error: {exc}", code="INTERNAL"):
                     self.engine.abort(out.request_id)
             if stream.closed:
-                in_flight.discard(key)
+                in_flight.ended(key)
 
         in_flight.add(key, request, stream)  # before submit: the first reply already carries the token
-        clock = metrics.submitted()  # before submit: the engine may finish the request before it returns
         try:
-            rid = self._submit(request, parsed, on_output)
-        except Exception as exc:
-            from tandem.backends.engine.async_engine import EngineStopped
+            for index in range(parsed.num_return_sequences):
+                if index and stream.closed:     # a sibling failed, or the client cancelled
+                    break                       # (sample 0 goes in even so: decode's KV ticket)
+                # before submit: the engine may finish the request before it returns
+                clock = metrics.submitted()
+                try:
+                    rid = self._submit(request, parsed, index,
+                                       lambda out, i=index, c=clock: on_output(out, i, c))
+                except Exception as exc:
+                    metrics.not_submitted()
+                    self._refused(stream, exc)
+                    in_flight.ended(key)
+                    break
+                in_flight.started(key, rid, index)
+        finally:
+            in_flight.submitted(key)
 
-            in_flight.discard(key)
-            metrics.not_submitted()
-            if isinstance(exc, ValueError):  # the engine's own validation (KV pool too small, ...)
-                stream.fail(str(exc))
-                metrics.finish("rejected")
-            elif isinstance(exc, EngineStopped):
-                stream.fail(f"unavailable: {exc}", code="UNAVAILABLE")
-                metrics.finish("error")
-            else:
-                _log("error", f"submit failed: {traceback.format_exc()}")
-                stream.fail(f"internal error: {exc}", code="INTERNAL")
-                metrics.finish("error")
-            return
-        in_flight.started(key, rid)
+    def _refused(self, stream: ResponseStream, exc: Exception) -> None:
+        from tandem.backends.engine.async_engine import EngineStopped
+
+        if isinstance(exc, (ValueError, RequestError)):  # the engine's own validation (KV pool too small, ...)
+            if stream.fail(str(exc)):
+                self.metrics.finish("rejected")
+        elif isinstance(exc, EngineStopped):
+            if stream.fail(f"unavailable: {exc}", code="UNAVAILABLE"):
+                self.metrics.finish("error")
+        else:
+            _log("error", f"submit failed: {traceback.format_exc()}")
+            if stream.fail(f"internal error: {exc}", code="INTERNAL"):
+                self.metrics.finish("error")
 
     def finalize(self) -> None:
         start = time.monotonic()
@@ -208,7 +220,7 @@ def _send(sender, reply: Reply) -> None:
     elif reply.outputs is not None:
         response = pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, reply.outputs[name])
-                            for name in (*TOKEN_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO) if name in reply.outputs])
+                            for name in (*ENGINE_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO) if name in reply.outputs])
     else:
         response = None
     try:

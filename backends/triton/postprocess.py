@@ -20,14 +20,15 @@ relays the result unread (``prompt_echo``) to postprocess, which puts it first.
 ...          "num_input_tokens": np.array([[3]], dtype=np.uint32),
 ...          "num_output_tokens": np.array([[1]], dtype=np.uint32),
 ...          "prompt_echo": np.array([[b"x ="]], dtype=object)}
->>> ensemble_outputs(reply.get)["text_output"][0, 0]
+>>> ensemble_outputs(reply.get)["text_output"][0]
 b'x = 1'
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .generate_request import GenerateRequest, GetInput, RequestError, as_text, output_arrays, scalar
+from .generate_request import GenerateRequest, GetInput, RequestError, as_text, scalar
+from .response_arrays import SequenceReply, ensemble_arrays
 
 PROMPT_ECHO = "prompt_echo"     # STRING [1, 1]: preprocess -> llm/decode (relayed) -> postprocess
 
@@ -40,17 +41,26 @@ def prompt_echo(request: GenerateRequest) -> str:
 
 
 def ensemble_outputs(get: GetInput) -> dict[str, np.ndarray]:
-    """The ensemble's outputs for one engine reply; ``output_ids`` passes through when given."""
+    """The ensemble's outputs (:mod:`.response_arrays`) for one engine reply; ``output_ids``
+    passes through when given (``tandem_tokens``); absent log probs and index read as
+    none and 0."""
     text = as_text(_required(get, "text_output"), "text_output")
     echo = scalar(get, PROMPT_ECHO)
     if echo is not None:
         text = as_text(echo, PROMPT_ECHO) + text
-    outputs = output_arrays(text, as_text(_required(get, "finish_reason"), "finish_reason"),
-                            int(_required(get, "num_input_tokens")), int(_required(get, "num_output_tokens")))
     ids = get("output_ids")
-    if ids is not None:
-        outputs["output_ids"] = np.asarray(ids, dtype=np.int32).reshape(1, -1)
-    return outputs
+    log_probs = get("output_log_probs")
+    cum = scalar(get, "cum_log_probs")
+    index = scalar(get, "sequence_index")
+    reply = SequenceReply(
+        token_ids=[] if ids is None else [int(t) for t in np.asarray(ids).reshape(-1)],
+        text=text, finish_reason=as_text(_required(get, "finish_reason"), "finish_reason"),
+        num_input_tokens=int(_required(get, "num_input_tokens")),
+        num_output_tokens=int(_required(get, "num_output_tokens")),
+        sequence_index=0 if index is None else int(index),
+        log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
+        cum_log_prob=0.0 if cum is None else float(cum))
+    return ensemble_arrays(reply, with_ids=ids is not None)
 
 
 def _required(get: GetInput, name: str):

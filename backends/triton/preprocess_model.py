@@ -14,11 +14,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .disagg_common import INPUT_IDS
-from .generate_request import (RequestError, check_context, check_text_length, parse_generate_request,
-                               string_array)
+from .generate_request import RequestError, check_context, check_text_length, parse_generate_request
 from .inputs import input_getter
 from .per_request import PerRequestModel, error_response
 from .postprocess import PROMPT_ECHO, prompt_echo
+from .response_arrays import string_array
 from .settings import EngineSettings, model_limits
 
 

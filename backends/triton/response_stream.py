@@ -6,10 +6,16 @@ hands :class:`Reply` objects to a ``send`` callable. It guarantees what a
 decoupled client relies on: exactly one reply carries ``final``, nothing is
 sent after it, and it is sent on every path: finished, failed or cancelled.
 
+A request with ``num_return_sequences`` n is n engine requests (sequences); each
+reply carries its ``sequence_index``, and ``final`` comes with the last sequence's end.
+
 - ``stream=True``: one reply per engine step that produced tokens (several with
-  speculation); the last one carries the finish reason and ``final``.
-- ``stream=False``: a single reply with every token and the whole text, and
-  ``final``, which Triton's HTTP ``generate`` endpoint requires.
+  speculation); a sequence's last one carries its finish reason.
+- ``stream=False``: a single reply per sequence with every token and the whole text;
+  with one sequence that is the one reply Triton's HTTP ``generate`` endpoint requires.
+
+A sequence that fails ends the whole stream with its error (the model aborts the
+others: :meth:`ResponseStream.unfinished`).
 
 Replies carry token-level outputs (``output_ids`` and the text delta), plus the
 ``relay`` arrays the model attaches to every reply for the ensemble's next step
@@ -32,7 +38,8 @@ from typing import Callable
 
 import numpy as np
 
-from .generate_request import GenerateRequest, token_output_arrays
+from .generate_request import GenerateRequest
+from .response_arrays import SequenceReply, engine_arrays
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +50,16 @@ class Reply:
     final: bool = False
 
 
+class _Sequence:
+    __slots__ = ("done", "ids", "text", "log_probs")
+
+    def __init__(self):
+        self.done = False
+        self.ids: list[int] = []      # accumulated for stream=False
+        self.text: list[str] = []
+        self.log_probs: list[float] = []
+
+
 class ResponseStream:
     def __init__(self, request: GenerateRequest, send: Callable[[Reply], None],
                  relay: dict[str, np.ndarray] | None = None):
@@ -51,16 +68,22 @@ class ResponseStream:
         self._relay = relay or {}
         self._lock = threading.Lock()
         self._closed = False
-        self._ids: list[int] = []    # accumulated for stream=False
-        self._text: list[str] = []
+        self._seqs = [_Sequence() for _ in range(request.num_return_sequences)]
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def on_output(self, out) -> None:
-        """Handle one engine ``RequestOutput`` (engine thread)."""
+    def unfinished(self) -> list[int]:
+        """The sequences the engine has not finished (to abort when the stream ended early)."""
+        return [i for i, seq in enumerate(self._seqs) if not seq.done]
+
+    def on_output(self, out, index: int = 0) -> None:
+        """Handle one engine ``RequestOutput`` of sequence ``index`` (engine thread)."""
         with self._lock:
+            seq = self._seqs[index]
+            if out.finished:
+                seq.done = True
             if self._closed:
                 return
             if not out.finished and not out.new_token_ids:
@@ -72,17 +95,23 @@ class ResponseStream:
                 prefix = "unavailable" if code == "UNAVAILABLE" else "internal error"
                 self._end(Reply(error=f"{prefix}: {what}", code=code, final=True))
                 return
+            log_probs = (getattr(out, "new_logprobs", None) or []) if self.request.return_log_probs else []
             if self.request.stream:
                 ids, text = out.new_token_ids, out.new_text
             else:
-                self._ids.extend(out.new_token_ids)
-                self._text.append(out.new_text)
+                seq.ids.extend(out.new_token_ids)
+                seq.text.append(out.new_text)
+                seq.log_probs.extend(log_probs)
                 if not out.finished:
                     return
-                ids, text = self._ids, "".join(self._text)
-            reason = (out.finish_reason or "stop") if out.finished else None
-            arrays = token_output_arrays(ids, text, reason, out.num_prompt_tokens, out.num_output_tokens)
-            self._emit(Reply(outputs={**arrays, **self._relay}, final=out.finished))
+                ids, text, log_probs = seq.ids, "".join(seq.text), seq.log_probs
+            cum = float(getattr(out, "cumulative_logprob", None) or 0.0) if self.request.return_log_probs else 0.0
+            reply = SequenceReply(
+                token_ids=list(ids), text=text, finish_reason=(out.finish_reason or "stop") if out.finished else None,
+                num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                sequence_index=index, log_probs=list(log_probs), cum_log_prob=cum)
+            final = not self.unfinished()
+            self._emit(Reply(outputs={**engine_arrays(reply), **self._relay}, final=final))
 
     def client_cancelled(self, is_cancelled: Callable[[], bool]) -> bool:
         """Ask Triton (``is_cancelled``) whether the client cancelled this open stream.

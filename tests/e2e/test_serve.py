@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
+from tandem.backends.triton.generate_request import INPUT_NAMES
+from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
 from tandem.client.serve_options import MODES, ServeOptions
 from tandem.client.triton_server import TritonServer, free_port, stub_processes
@@ -72,7 +73,7 @@ def test_server_and_models_ready(server):
     assert [o["name"] for o in config["output"]] == list(OUTPUT_NAMES)
     llm = client.get_model_config("llm")
     assert llm["model_transaction_policy"]["decoupled"] is True
-    assert [o["name"] for o in llm["output"]][:len(TOKEN_OUTPUT_NAMES)] == list(TOKEN_OUTPUT_NAMES)
+    assert [o["name"] for o in llm["output"]][:len(ENGINE_OUTPUT_NAMES)] == list(ENGINE_OUTPUT_NAMES)
 
 
 def test_stream_over_grpc_sends_step_responses_then_final(server, reference):
@@ -234,10 +235,11 @@ def test_zz_stop_leaves_no_process_behind(server):
 
 
 def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--mode", "colocated",
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--threads", "1",
+         "--openai-port", ports[3],
          "--run-dir", str(tmp_path / "run"), "--log-file", str(tmp_path / "server.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

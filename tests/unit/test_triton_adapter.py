@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import types
@@ -22,7 +23,10 @@ import pytest
 from tandem.backends.triton.latency import StreamClock
 
 from tandem.backends.triton.generate_request import (
-    RequestError, check_context, output_arrays, parse_generate_request, parse_token_request, token_output_arrays)
+    RequestError, check_context, parse_generate_request, parse_token_request)
+from tandem.backends.triton.response_arrays import (OUTPUT_NAMES, TOKEN_OUTPUT_NAMES, SequenceReply, engine_arrays,
+                                                    ensemble_arrays)
+from tandem.backends.triton.generate_request import INPUTS
 from tandem.backends.triton.settings import EngineSettings, model_limits
 
 VOCAB, CONTEXT = 100, 64    # the fake checkpoint's (see ckpt_dir)
@@ -148,6 +152,10 @@ class FakeTokenizer:
     def get_vocab_size(self):
         return VOCAB
 
+    def encode(self, text, add_special_tokens=True):
+        """One token per character (its code point, modulo the vocabulary)."""
+        return types.SimpleNamespace(ids=[ord(c) % VOCAB for c in text])
+
 
 class FakeEngine:
     instances: list["FakeEngine"] = []
@@ -182,15 +190,19 @@ class FakeEngine:
     def shutdown(self):
         self.stopped = True
 
-    def emit(self, index, texts, reason="length", prompt_tokens=3):
-        """Deliver one output per text (token id 10 + i); the last finishes with ``reason``."""
+    def emit(self, index, texts, reason="length", prompt_tokens=3, logprobs=None):
+        """Deliver one output per text (token id 10 + i, log prob ``logprobs[i]`` when
+        given); the last finishes with ``reason``."""
         _, _, on_output = self.submitted[index]
+        cum = 0.0
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
+            lp = None if logprobs is None else [logprobs[i]]
+            cum += 0.0 if lp is None else lp[0]
             on_output(types.SimpleNamespace(
                 request_id=f"req-{index}", new_token_ids=[10 + i], new_text=text, finished=last,
                 finish_reason=reason if last else None, num_prompt_tokens=prompt_tokens,
-                num_output_tokens=i + 1))
+                num_output_tokens=i + 1, new_logprobs=lp, cumulative_logprob=cum))
 
 
 @pytest.fixture(scope="module")
@@ -243,23 +255,30 @@ def model(model_cls, ckpt_dir):
     torch.set_num_threads(threads)
 
 
-TYPES = {"max_tokens": np.int32, "top_k": np.int32, "end_id": np.int32, "temperature": np.float32,
-         "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64, "stream": np.bool_,
-         "exclude_input_in_output": np.bool_}
+NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}
+TYPES = {name: NUMPY_TYPES[t] for name, (t, _) in INPUTS.items() if t in NUMPY_TYPES}
 
 
 def arrays(**extra):
     """Request tensors with the batch dimension, typed as the configs declare them."""
     out = {}
     for k, v in extra.items():
-        if k == "stop_words":
+        if k in ("stop_words", "bad_words", "embedding_bias_words"):
             out[k] = np.array([[w.encode() for w in v]], dtype=object)
+        elif k == "embedding_bias_weights":
+            out[k] = np.array([list(v)], dtype=np.float32)
         elif k == "input_ids":
             out[k] = np.array([list(v)], dtype=np.int32)
         elif k in ("text_input", "text_output", "finish_reason", "cancel_token", "prompt_echo"):
             out[k] = np.array([[v if isinstance(v, bytes) else v.encode()]], dtype=object)
         elif k in ("num_input_tokens", "num_output_tokens"):
             out[k] = np.array([[v]], dtype=np.uint32)
+        elif k == "sequence_index":
+            out[k] = np.array([[v]], dtype=np.int32)
+        elif k == "cum_log_probs":
+            out[k] = np.array([[v]], dtype=np.float32)
+        elif k == "output_log_probs":
+            out[k] = np.array(v, dtype=np.float32).reshape(1, 1, -1)
         else:
             out[k] = np.array([[v]], dtype=TYPES[k])
     return out
@@ -300,6 +319,12 @@ def test_defaults_are_documented_ones():
     assert (req.prompt, req.max_tokens, req.stream, req.temperature, req.top_p, req.top_k) == \
         ("hi", 16, False, 1.0, 1.0, 0)
     assert (req.seed, req.stop_words, req.end_id, req.exclude_input_in_output) == (None, [], None, False)
+    assert (req.bad_words, req.pad_id, req.num_return_sequences, req.repetition_penalty, req.presence_penalty,
+            req.frequency_penalty, req.min_tokens, req.length_penalty, req.embedding_bias,
+            req.return_log_probs) == ([], None, 1, 1.0, 0.0, 0.0, 0, 1.0, [], False)
+    params = req.sampling_params()
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.min_tokens,
+            params.bad_words, params.logit_bias, params.logprobs) == (1.0, 0.0, 0.0, 0, [], {}, False)
 
 
 BAD_SAMPLING = [
@@ -313,7 +338,21 @@ BAD_SAMPLING = [
     ("top_p", -0.1, np.float32, "(0, 1]"),
     ("top_k", -1, np.int32, ">= 0"),
     ("end_id", 100, np.int32, "[0, 99]"),
-    ("end_id", -1, np.int32, ">= 0"),
+    ("end_id", -1, np.int32, "[0, 99]"),
+    ("pad_id", 100, np.int32, "[0, 99]"),
+    ("beam_width", 2, np.int32, "allowed: 1 (Tandem has no beam search"),
+    ("beam_width", 0, np.int32, "allowed: 1"),
+    ("num_return_sequences", 0, np.int32, "[1, 16]"),
+    ("num_return_sequences", 17, np.int32, "[1, 16]"),
+    ("repetition_penalty", 0.0, np.float32, "> 0 (1 = off)"),
+    ("presence_penalty", 2.5, np.float32, "[-2, 2]"),
+    ("frequency_penalty", -3.0, np.float32, "[-2, 2]"),
+    ("frequency_penalty", math.nan, np.float32, "[-2, 2]"),
+    ("min_tokens", 17, np.int32, "[0, max_tokens=16]"),
+    ("min_length", -1, np.int32, "[0, max_tokens=16]"),
+    ("length_penalty", math.inf, np.float32, "a finite number"),
+    ("return_context_logits", True, np.bool_, "not supported: Tandem returns no context logits; allowed: false"),
+    ("return_generation_logits", True, np.bool_, "not supported"),
 ]
 
 
@@ -383,14 +422,69 @@ def test_tensorrt_llm_conventions():
     assert params.stop == ["\n\n", "def"] and params.seed == 7
 
 
-def test_output_arrays_have_a_batch_dimension():
-    arrays_ = output_arrays("hé", "stop", 3, 2)
-    assert {k: v.shape for k, v in arrays_.items()} == {k: (1, 1) for k in arrays_}
-    assert arrays_["text_output"][0, 0].decode() == "hé"
-    assert arrays_["num_input_tokens"].dtype == np.uint32
-    tokens = token_output_arrays([4, 5], "ab", None, 3, 2)
-    assert tokens["output_ids"].dtype == np.int32 and tokens["output_ids"].tolist() == [[4, 5]]
-    assert token_output_arrays([], "", "abort", 3, 0)["output_ids"].shape == (1, 0)
+def test_every_tensorrt_llm_sampling_input_reaches_the_engine():
+    """Each input of the TensorRT-LLM text ensemble maps onto the engine's SamplingParams."""
+    req = parse_token_request(arrays(
+        input_ids=[1, 2], max_tokens=8, num_return_sequences=3, beam_width=1, seed=2**64 - 2,
+        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.25, min_length=4,
+        bad_words=["", "ab", ""], embedding_bias_words=["a", "", "ba"], embedding_bias_weights=[1.5, 9.0, -1.0],
+        pad_id=0, length_penalty=0.7, return_log_probs=True, return_num_input_tokens=True,
+        return_num_output_tokens=False, return_finish_reason=True).get, VOCAB, CONTEXT)
+    assert (req.num_return_sequences, req.length_penalty, req.pad_id) == (3, pytest.approx(0.7), 0)
+    p0, p2 = req.sampling_params(0, FakeTokenizer()), req.sampling_params(2, FakeTokenizer())
+    assert (p0.seed, p2.seed) == (2**64 - 2, 0)        # seed + i, as a UINT64 wraps
+    assert (p0.repetition_penalty, p0.presence_penalty, p0.frequency_penalty) == \
+        (pytest.approx(1.3), 0.5, -0.25)
+    assert (p0.min_tokens, p0.bad_words, p0.logprobs, p0.max_tokens) == (4, ["ab"], True, 8)
+    # every token of a word gets its weight; "" pads; 'a' is 97 % 100, 'b' 98
+    assert p0.logit_bias == {97: pytest.approx(0.5), 98: -1.0}
+    p0.validate()
+    # min_tokens (the newer name) wins over min_length, as seed over random_seed
+    both = parse_token_request(arrays(input_ids=[1], min_tokens=2, min_length=5).get, VOCAB, CONTEXT)
+    assert both.min_tokens == 2
+    with pytest.raises(RequestError, match="embedding_bias_words: this model has no tokenizer"):
+        req.sampling_params(0, None)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (dict(embedding_bias_words=["a", "b"], embedding_bias_weights=[1.0]),
+     "embedding_bias_weights: has 1 weights for 2 embedding_bias_words; allowed: one weight per word"),
+    (dict(embedding_bias_words=["a"]), "embedding_bias_weights: has 0 weights for 1"),
+    (dict(embedding_bias_words=["a"], embedding_bias_weights=[math.inf]),
+     "embedding_bias_weights: got inf; allowed: finite numbers"),
+    (dict(bad_words=["  "]), "bad_words: got '  '; allowed: non-blank strings"),
+    (dict(bad_words=["w"] * 17), "bad_words: has 17 words; allowed: up to 16"),
+])
+def test_word_lists_are_checked(extra, message):
+    with pytest.raises(RequestError, match=f"^{re.escape(message)}"):
+        parse_token_request(arrays(input_ids=[1], **extra).get, VOCAB, CONTEXT)
+
+
+def test_engine_replies_have_a_batch_dimension():
+    r = SequenceReply([4, 5], "hé", "stop", 3, 2, sequence_index=1, log_probs=[-0.5, -1.0], cum_log_prob=-1.5)
+    a = engine_arrays(r)
+    assert {k: v.shape for k, v in a.items()} == {
+        "output_ids": (1, 2), "text_output": (1, 1), "finish_reason": (1, 1), "num_input_tokens": (1, 1),
+        "num_output_tokens": (1, 1), "cum_log_probs": (1, 1), "output_log_probs": (1, 1, 2),
+        "sequence_index": (1, 1)}
+    assert a["text_output"][0, 0].decode() == "hé" and a["num_input_tokens"].dtype == np.uint32
+    assert a["output_ids"].dtype == np.int32 and a["output_ids"].tolist() == [[4, 5]]
+    assert engine_arrays(SequenceReply([], "", "abort", 3, 0))["output_ids"].shape == (1, 0)
+
+
+def test_ensemble_responses_are_shaped_as_tensorrt_llm_shapes_them():
+    """text_output is one string per row, as TensorRT-LLM's postprocessing returns it:
+    its clients read ``as_numpy("text_output")[0].decode()``; the rest as its
+    tensorrt_llm model answers ([batch, beam, ...])."""
+    r = SequenceReply([4], " x", None, 3, 1, sequence_index=2, log_probs=[-0.25], cum_log_prob=-0.25)
+    a = ensemble_arrays(r)
+    assert a["text_output"].shape == (1,) and a["text_output"][0].decode() == " x"
+    assert {k: v.shape for k, v in a.items() if k != "text_output"} == {
+        "finish_reason": (1, 1), "num_input_tokens": (1, 1), "num_output_tokens": (1, 1),
+        "cum_log_probs": (1, 1), "output_log_probs": (1, 1, 1), "context_logits": (1, 0, 0),
+        "generation_logits": (1, 1, 0, 0), "batch_index": (1, 1), "sequence_index": (1, 1)}
+    assert int(a["sequence_index"][0][0]) == 2 and int(a["batch_index"][0][0]) == 0
+    assert "output_ids" not in a and ensemble_arrays(r, with_ids=True)["output_ids"].tolist() == [[4]]
 
 
 def test_settings_from_config(ckpt_dir):
@@ -464,6 +558,69 @@ def test_non_streaming_sends_every_token_once_without_the_prompt(model):
     assert texts(request.sender) == ["12"]    # the prompt echo is postprocess's business
     assert out["output_ids"].tolist() == [[10, 11, 12]]
     assert out["finish_reason"][0, 0] == b"stop"
+
+
+def test_num_return_sequences_submits_one_engine_request_per_sample(model):
+    """n independent samples of one prompt (seeded: seed + i), each reply with its
+    sequence_index; each sample's last reply its finish reason; final after the last."""
+    engine = FakeEngine.instances[-1]
+    request = token_request(stream=True, num_return_sequences=2, seed=5)
+    model.execute([request])
+    assert [p.seed for _, p, _ in engine.submitted] == [5, 6]
+    engine.emit(1, ["x", "y"], reason="stop")
+    engine.emit(0, ["a"], reason="length")
+    sent = outputs(request.sender)
+    assert [(int(o["sequence_index"][0, 0]), o["text_output"][0, 0], o["finish_reason"][0, 0])
+            for o, _ in sent] == [(1, b"x", b""), (1, b"y", b"stop"), (0, b"a", b"length")]
+    assert [bool(flags & FINAL) for _, flags in sent] == [False, False, True]
+    assert len(model.in_flight) == 0 and engine.aborted == []
+
+
+def test_non_streaming_samples_answer_once_each(model):
+    engine = FakeEngine.instances[-1]
+    request = token_request(num_return_sequences=3)
+    model.execute([request])
+    assert [p.seed for _, p, _ in engine.submitted] == [None] * 3    # unseeded: independent
+    for i in (2, 0, 1):
+        engine.emit(i, [f"{i}a", f"{i}b"])
+    assert [(int(o["sequence_index"][0, 0]), o["text_output"][0, 0].decode(), bool(f & FINAL))
+            for o, f in outputs(request.sender)] == [(2, "2a2b", False), (0, "0a0b", False), (1, "1a1b", True)]
+
+
+def test_a_failing_sample_ends_the_request_and_aborts_its_siblings(model):
+    engine = FakeEngine.instances[-1]
+    request = token_request(stream=True, num_return_sequences=3)
+    model.execute([request])
+    engine.emit(0, ["a"], reason="length")
+    engine.emit(1, ["b", ""], reason="error")
+    response, flags = request.sender.sent[-1]
+    assert flags & FINAL and response.error.code() == TritonError.INTERNAL
+    assert engine.aborted == ["req-2"] and len(model.in_flight) == 0
+
+
+def test_a_refused_sample_refuses_the_request_and_aborts_the_others(model):
+    engine = FakeEngine.instances[-1]
+    submit = engine.submit
+    engine.submit = lambda prompt, params, cb: (submit(prompt, params, cb) if len(engine.submitted) < 1
+                                                else (_ for _ in ()).throw(ValueError("the pool is too small")))
+    request = token_request(num_return_sequences=2)
+    model.execute([request])
+    assert "the pool is too small" in the_error(request.sender).message()
+    assert engine.aborted == ["req-0"] and len(model.in_flight) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_log_probs_are_returned_when_asked(model, stream):
+    engine = FakeEngine.instances[-1]
+    asked, plain = token_request(stream=stream, return_log_probs=True), token_request(stream=stream)
+    model.execute([asked, plain])
+    assert [p.logprobs for _, p, _ in engine.submitted] == [True, False]
+    engine.emit(0, ["a", "b"], logprobs=[-0.5, -0.25])
+    engine.emit(1, ["a", "b"], logprobs=[-0.5, -0.25])   # the engine's, not asked for: not sent
+    got = [(o["output_log_probs"].tolist(), float(o["cum_log_probs"][0, 0])) for o, _ in outputs(asked.sender)]
+    assert got == ([([[[-0.5]]], -0.5), ([[[-0.25]]], -0.75)] if stream else [([[[-0.5, -0.25]]], -0.75)])
+    assert {(o["output_log_probs"].shape[-1], float(o["cum_log_probs"][0, 0]))
+            for o, _ in outputs(plain.sender)} == {(0, 0.0)}
 
 
 @pytest.mark.parametrize("inputs,message", [
@@ -603,19 +760,27 @@ def test_postprocess_puts_the_relayed_echo_first():
     from tandem.backends.triton.postprocess import ensemble_outputs
 
     out = ensemble_outputs(reply(prompt_echo="a =").get)
-    assert out["text_output"][0, 0].decode() == "a = b"
-    assert set(out) == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert out["text_output"][0].decode() == "a = b"
+    assert set(out) == set(OUTPUT_NAMES)
     assert (out["finish_reason"][0, 0], int(out["num_output_tokens"][0, 0])) == (b"", 1)
-    assert ensemble_outputs(reply(prompt_echo="").get)["text_output"][0, 0] == b" b"
+    assert ensemble_outputs(reply(prompt_echo="").get)["text_output"][0] == b" b"
+
+
+def test_postprocess_passes_log_probs_and_the_sequence_index_on():
+    from tandem.backends.triton.postprocess import ensemble_outputs
+
+    out = ensemble_outputs(reply(sequence_index=1, cum_log_probs=-0.75, output_log_probs=[-0.25, -0.5]).get)
+    assert int(out["sequence_index"][0, 0]) == 1 and float(out["cum_log_probs"][0, 0]) == -0.75
+    assert out["output_log_probs"].tolist() == [[[-0.25, -0.5]]]
 
 
 def test_postprocess_passes_token_ids_on_and_needs_no_echo():
     from tandem.backends.triton.postprocess import ensemble_outputs
 
     out = ensemble_outputs(reply().get)   # tandem_tokens: no echo
-    assert out["text_output"][0, 0] == b" b" and "output_ids" not in out
+    assert out["text_output"][0] == b" b" and "output_ids" not in out
     out = ensemble_outputs({**reply(), "output_ids": np.array([[7, 8]], dtype=np.int32)}.get)
-    assert out["output_ids"].tolist() == [[7, 8]]
+    assert out["output_ids"].tolist() == [[7, 8]] and set(out) == set(TOKEN_OUTPUT_NAMES)
     with pytest.raises(RequestError, match="^text_output: is required"):
         ensemble_outputs({}.get)
 
@@ -690,13 +855,17 @@ def test_in_flight_applies_a_cancellation_that_comes_before_submit_returns():
         assert in_flight.cancel("k1") and early.closed and sent[-1].code == "CANCELLED"
         assert engine.aborted == []                  # no engine request id yet
         in_flight.started("k1", "req-7")
-        assert engine.aborted == ["req-7"] and len(in_flight) == 0
+        assert engine.aborted == ["req-7"]
+        in_flight.submitted("k1")
+        assert len(in_flight) == 0
         assert not in_flight.cancel("k1") and not in_flight.cancel("unknown")
 
         late = ResponseStream(GenerateRequest([1], stream=True), sent.append)
         in_flight.add("k2", Request(), late)
         in_flight.started("k2", "req-8")
+        in_flight.submitted("k2")
         assert in_flight.cancel("k2") and engine.aborted == ["req-7", "req-8"]
+        assert len(in_flight) == 0
     finally:
         in_flight.close("bye")
 
@@ -717,9 +886,10 @@ def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(mod
 
     post = Postprocess()
     step = Request(**{k: out[k] for k in ("text_output", "finish_reason", "num_input_tokens",
-                                          "num_output_tokens", "cancel_token", "prompt_echo")})
+                                          "num_output_tokens", "cum_log_probs", "output_log_probs",
+                                          "sequence_index", "cancel_token", "prompt_echo")})
     (response,) = post.execute([step])
-    assert response.error is None and response.outputs["text_output"][0, 0] == b"x:  a"
+    assert response.error is None and response.outputs["text_output"][0] == b"x:  a"
 
     step.cancelled = True            # the ensemble's client cancelled
     (response,) = post.execute([step])

@@ -18,7 +18,8 @@ import pytest
 
 from tandem.client import cli
 from tandem.client.demo_checkpoint import CHECKPOINT_FILES, make_demo_checkpoint
-from tandem.backends.triton.generate_request import INPUT_NAMES, OUTPUT_NAMES, TOKEN_INPUT_NAMES, TOKEN_OUTPUT_NAMES
+from tandem.backends.triton.generate_request import INPUT_NAMES, INPUTS, TOKEN_INPUT_NAMES
+from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
 from tandem.client.repository import MODEL_REPOSITORY, render_repository
 from tandem.client.serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
 from tandem.client.stubs import describe_exit, find_stubs, proc_state
@@ -77,6 +78,34 @@ def test_mode_selects_the_models(tmp_path, mode, ensembles):
         assert {step.model_name for step in _config(name).ensemble_scheduling.step} <= set(options.models)
 
 
+@pytest.mark.parametrize("mode,target", [("disaggregated", "tandem"), ("colocated", "tandem_colocated"),
+                                         ("both", "tandem")])
+def test_ensemble_name_serves_the_text_ensemble_under_a_second_name(tmp_path, mode, target):
+    options = ServeOptions(model_dir=str(tmp_path), mode=mode, ensemble_name="ensemble")
+    assert options.aliases == {"ensemble": target} and "ensemble" in options.ensembles
+    repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models,
+                             aliases=options.aliases)
+    alias, original = _parse(repo / "ensemble" / "config.pbtxt"), _parse(repo / target / "config.pbtxt")
+    assert (alias.name, original.name) == ("ensemble", target)
+    original.name = "ensemble"
+    assert alias == original                       # the same steps behind both names
+    assert (repo / "ensemble" / "1").is_dir()
+    assert sorted(p.name for p in repo.iterdir()) == sorted(options.models)
+    assert cli.build_parser().parse_args(["serve", "--ensemble-name", "ensemble"]).ensemble_name == "ensemble"
+
+
+@pytest.mark.parametrize("mode,name,problem", [
+    ("prefill", "ensemble", "--mode prefill serves none"),
+    ("disaggregated", "decode", "is the name of one of Tandem's models"),
+    ("colocated", "tandem", "is the name of one of Tandem's models"),
+    ("disaggregated", "../x", "allowed: letters, digits"),
+    ("disaggregated", "-x", "allowed: letters, digits"),
+])
+def test_a_bad_ensemble_name_is_refused(mode, name, problem):
+    with pytest.raises(ServerError, match=re.escape(problem)):
+        ServeOptions(model_dir=".", mode=mode, ensemble_name=name).models
+
+
 def test_disaggregated_is_the_default_mode():
     assert ServeOptions(model_dir=".").mode == "disaggregated"
     assert cli.build_parser().parse_args(["serve"]).mode == "disaggregated"
@@ -88,24 +117,67 @@ def test_unknown_mode_is_refused():
         ServeOptions(model_dir=".", mode="split").models
 
 
-def _config(name: str):
+def _parse(path: Path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    return text_format.Parse((MODEL_REPOSITORY / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def _config(name: str):
+    return _parse(MODEL_REPOSITORY / name / "config.pbtxt")
 
 
 @pytest.mark.parametrize("name,inputs,outputs", [
     ("tandem", INPUT_NAMES, OUTPUT_NAMES),
     ("tandem_colocated", INPUT_NAMES, OUTPUT_NAMES),
     ("tandem_tokens", TOKEN_INPUT_NAMES, TOKEN_OUTPUT_NAMES),
-    ("llm", (*TOKEN_INPUT_NAMES, "prompt_echo"), (*TOKEN_OUTPUT_NAMES, "cancel_token", "prompt_echo")),
+    ("llm", (*TOKEN_INPUT_NAMES, "prompt_echo"), (*ENGINE_OUTPUT_NAMES, "cancel_token", "prompt_echo")),
+    ("preprocess", INPUT_NAMES, ("input_ids", "prompt_echo")),
+    ("kv_transfer", TOKEN_INPUT_NAMES, ("kv_descriptor",)),
 ])
 def test_interfaces_are_the_conventional_ones(name, inputs, outputs):
+    from tritonclient.grpc import model_config_pb2
+
     cfg = _config(name)
     assert [i.name for i in cfg.input] == list(inputs)
     assert [i.name for i in cfg.input if not i.optional] == [inputs[0]]   # text_input / input_ids
     assert [o.name for o in cfg.output] == list(outputs)
+    for i in cfg.input:       # the TensorRT-LLM ensemble's types and dims
+        if i.name in INPUTS:
+            assert (model_config_pb2.DataType.Name(i.data_type), list(i.dims)) == tuple(INPUTS[i.name]), i.name
+
+
+# the TensorRT-LLM text ensemble's interface (tensorrtllm_backend v0.14.0's
+# all_models/inflight_batcher_llm/ensemble/config.pbtxt, and TensorRT-LLM's newer one)
+TENSORRT_LLM_INPUTS = {
+    "text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "num_return_sequences": "TYPE_INT32",
+    "bad_words": "TYPE_STRING", "stop_words": "TYPE_STRING", "end_id": "TYPE_INT32", "pad_id": "TYPE_INT32",
+    "top_k": "TYPE_INT32", "top_p": "TYPE_FP32", "temperature": "TYPE_FP32", "length_penalty": "TYPE_FP32",
+    "repetition_penalty": "TYPE_FP32", "min_length": "TYPE_INT32", "presence_penalty": "TYPE_FP32",
+    "frequency_penalty": "TYPE_FP32", "random_seed": "TYPE_UINT64", "return_log_probs": "TYPE_BOOL",
+    "return_context_logits": "TYPE_BOOL", "return_generation_logits": "TYPE_BOOL", "beam_width": "TYPE_INT32",
+    "stream": "TYPE_BOOL", "embedding_bias_words": "TYPE_STRING", "embedding_bias_weights": "TYPE_FP32",
+    # newer
+    "exclude_input_in_output": "TYPE_BOOL", "min_tokens": "TYPE_INT32", "seed": "TYPE_UINT64",
+    "return_num_input_tokens": "TYPE_BOOL", "return_num_output_tokens": "TYPE_BOOL",
+}
+TENSORRT_LLM_OUTPUTS = {"text_output": "TYPE_STRING", "cum_log_probs": "TYPE_FP32", "output_log_probs": "TYPE_FP32",
+                        "context_logits": "TYPE_FP32", "generation_logits": "TYPE_FP32", "batch_index": "TYPE_INT32",
+                        "sequence_index": "TYPE_INT32"}
+
+
+@pytest.mark.parametrize("name", ["tandem", "tandem_colocated"])
+def test_text_ensembles_declare_the_tensorrt_llm_interface(name):
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = _config(name)
+    type_name = model_config_pb2.DataType.Name
+    inputs = {i.name: type_name(i.data_type) for i in cfg.input}
+    outputs = {o.name: (type_name(o.data_type), list(o.dims)) for o in cfg.output}
+    assert {k: inputs.get(k) for k in TENSORRT_LLM_INPUTS} == TENSORRT_LLM_INPUTS
+    assert {k: outputs.get(k, (None,))[0] for k in TENSORRT_LLM_OUTPUTS} == TENSORRT_LLM_OUTPUTS
+    assert outputs["text_output"][1] == [-1]       # one string per row, as its postprocessing
 
 
 def test_decode_takes_what_llm_takes_and_answers_alike():

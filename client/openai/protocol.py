@@ -1,0 +1,286 @@
+"""The OpenAI API's request and response bodies (pydantic), as far as Tandem serves them.
+
+Requests are checked here (types and ranges: a bad one is a 400 naming the field);
+what the ensemble itself must decide (the prompt fits the context, a stop word is not too
+long) is checked there and comes back as its error. Fields OpenAI defines that Tandem
+cannot honour are refused with a message that says so, never silently ignored
+(:func:`unsupported`); fields no OpenAI client sends are ignored, as vLLM does.
+
+>>> CompletionRequest(model="tandem", prompt="def f(", max_tokens=8).prompts()
+['def f(']
+>>> ChatCompletionRequest(model="tandem", messages=[{"role": "user", "content": "hi"}]).n
+1
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI's limits where it has them; the ensemble's own where it is stricter
+MAX_N = 16              # choices per request: each is its own stream to the ensemble
+MAX_LOGPROBS = 1        # only the sampled token's log probability comes back (no alternatives)
+
+
+class OpenAIError(Exception):
+    """An error as OpenAI reports it: ``{"error": {"message", "type", "param", "code"}}``
+    with an HTTP status.
+
+    >>> OpenAIError(400, "n: got 0; allowed: 1..16", param="n").body()["error"]["type"]
+    'invalid_request_error'
+    """
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    # clients send fields of newer API versions; what matters here is named below
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions vLLM and SGLang accept too (sent to the ensemble when it declares them)
+    top_k: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+
+    def stop_words(self) -> list[str]:
+        words = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [w for w in words if w]   # an empty stop string stops nothing (as TensorRT-LLM)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def common_unsupported(self) -> None:
+        if self.logit_bias:
+            raise invalid("logit_bias", "not supported by Tandem's ensemble; send none")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "only allowed when stream is true")
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str]:
+        """The text prompts; token-id prompts are refused (the text ensemble takes text)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, str) for x in p):
+            return list(p)
+        if not p:
+            raise invalid("prompt", "empty; send a string or a list of strings")
+        raise invalid("prompt", "token-id prompts are not supported by the text ensemble; send text")
+
+    def unsupported(self) -> None:
+        self.common_unsupported()
+        if self.suffix:
+            raise invalid("suffix", "not supported (no fill-in-the-middle); send none")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid("best_of", f"got {self.best_of}; allowed: equal to n ({self.n}) or unset "
+                                     "(no ranking of candidates)")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise invalid("logprobs", f"got {self.logprobs}; allowed: 0 or 1 (the ensemble returns the "
+                                      "sampled token's log probability, no alternatives)")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo", "echo with logprobs needs the prompt's log probabilities, which the "
+                                  "ensemble does not return; send one of them")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or the text parts of a content list joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        other = [p.type for p in self.content if p.type != "text"]
+        if other:
+            raise invalid("messages", f"content part of type {other[0]!r}; allowed: text")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> None:
+        self.common_unsupported()
+        if self.tools:
+            raise invalid("tools", "tool calls are not supported; send none")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        if (self.top_logprobs or 0) > MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"got {self.top_logprobs}; allowed: 0 or 1 (the ensemble returns "
+                                          "the sampled token's log probability, no alternatives)")
+
+
+# ---- responses ------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "tandem"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,180 @@
+"""The text ensemble over tritonclient's asyncio gRPC stream (``tritonclient.grpc.aio``).
+
+One OpenAI choice is one gRPC ``ModelStreamInfer`` stream carrying one request: the
+request goes out, the stream is half-closed, and the ensemble's responses come back
+until the one with Triton's final flag (``enable_empty_final_response``). Leaving the
+iterator early (the HTTP client went away, the task was cancelled) cancels the gRPC
+call, which makes Triton cancel the request; ``postprocess`` carries that to the engine,
+which frees the sequence's KV pages. A request that already ended is not cancelled
+(tritonserver 2.51 may fail to unload a model after a completed request was cancelled).
+
+>>> backend = TritonBackend("127.0.0.1:8001")                                # doctest: +SKIP
+>>> async for r in backend.generate("tandem", {"text_input": ...}):          # doctest: +SKIP
+...     print(r.text, r.finish_reason)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+
+from .protocol import OpenAIError
+
+TRITON_TYPES = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
+                np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
+FINAL = "triton_final_response"
+
+
+@dataclass(slots=True)
+class EnsembleResponse:
+    """One response of the ensemble (the fields of ``backends/triton/generate_request.py``)."""
+
+    text: str = ""
+    finish_reason: str = ""       # "" until the last response with data
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0    # cumulative
+    final: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInterface:
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+
+
+def _first(result, name: str):
+    arr = result.as_numpy(name)
+    return None if arr is None or arr.size == 0 else arr.reshape(-1)[0]
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value or "")
+
+
+def parse_result(result) -> EnsembleResponse:
+    """A tritonclient result as an :class:`EnsembleResponse` (any batch shape: ``[1]``
+    or ``[1, 1]`` per row)."""
+    response = result.get_response()
+    final = FINAL in response.parameters and bool(response.parameters[FINAL].bool_param)
+    if not response.outputs:
+        return EnsembleResponse(final=final)
+    ids = result.as_numpy("output_ids")
+    lps = result.as_numpy("output_log_probs")
+    return EnsembleResponse(
+        text=_text(_first(result, "text_output")), finish_reason=_text(_first(result, "finish_reason")),
+        num_input_tokens=int(_first(result, "num_input_tokens") or 0),
+        num_output_tokens=int(_first(result, "num_output_tokens") or 0), final=final,
+        output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
+        log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)])
+
+
+class TritonBackend:
+    """Streams to the ensembles of one tritonserver over one gRPC channel.
+
+    Create and use it inside one event loop (a ``grpc.aio`` channel belongs to the loop
+    that made it); :meth:`close` it in the same loop.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client = None
+        self._interfaces: dict[str, ModelInterface] = {}
+
+    @property
+    def client(self):
+        if self._client is None:
+            import tritonclient.grpc.aio as aioclient
+            self._client = aioclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def interface(self, model: str) -> ModelInterface:
+        """The inputs and outputs ``model`` declares (asked once; asked again after an error)."""
+        if model not in self._interfaces:
+            try:
+                config = (await self.client.get_model_config(model, as_json=True))["config"]
+            except Exception as exc:
+                raise unreachable(self.url, exc) from None
+            self._interfaces[model] = ModelInterface(frozenset(i["name"] for i in config.get("input", [])),
+                                                     frozenset(o["name"] for o in config.get("output", [])))
+        return self._interfaces[model]
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_server_ready())
+        except Exception:
+            return False
+
+    async def generate(self, model: str, arrays: dict[str, np.ndarray], request_id: str = "",
+                       outputs: tuple[str, ...] | None = None) -> AsyncIterator[EnsembleResponse]:
+        """Yield the ensemble's responses to one request, the final one last.
+
+        ``outputs``: the outputs to ask for (None: all it declares); fewer are less work
+        for the server and here. Raises :class:`OpenAIError`: the ensemble's error (its status read off the
+        message, :func:`~.ensemble_request.upstream_error`), or 503 when the server
+        cannot be reached or the stream broke.
+        """
+        from tritonclient.utils import InferenceServerException
+
+        from .ensemble_request import upstream_error
+
+        inputs = [_infer_input(name, arr) for name, arr in arrays.items()]
+        requested = None if outputs is None else [_requested_output(name) for name in outputs]
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id, "outputs": requested,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        call = self.client.stream_infer(requests(), stream_timeout=self.timeout_s)
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    self._interfaces.pop(model, None)   # a reloaded model may declare other inputs
+                    raise upstream_error(error.message() if hasattr(error, "message") else str(error))
+                response = parse_result(result)
+                finished = response.final
+                yield response
+                if finished:
+                    return
+            finished = True
+            raise OpenAIError(503, f"the stream to {self.url} ended before the final response; retry",
+                              code="unavailable")
+        except (InferenceServerException, _grpc_error()) as exc:
+            finished = True
+            raise unreachable(self.url, exc) from None
+        finally:
+            if not finished:
+                call.cancel()
+
+
+def unreachable(url: str, exc: BaseException) -> OpenAIError:
+    detail = exc.details() if hasattr(exc, "details") else (exc.message() if hasattr(exc, "message") else exc)
+    return OpenAIError(503, f"the Triton server at {url} is unavailable ({detail}); retry", code="unavailable")
+
+
+def _grpc_error():
+    import grpc
+    return grpc.RpcError
+
+
+def _infer_input(name: str, arr: np.ndarray):
+    import tritonclient.grpc as grpcclient
+    t = grpcclient.InferInput(name, list(arr.shape), TRITON_TYPES[arr.dtype])
+    t.set_data_from_numpy(arr)
+    return t
+
+
+
+def _requested_output(name: str):
+    import tritonclient.grpc as grpcclient
+    return grpcclient.InferRequestedOutput(name)

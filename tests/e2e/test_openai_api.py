@@ -1,0 +1,276 @@
+"""The OpenAI-compatible API of `tandem serve`, driven by the official ``openai`` package.
+
+One `tandem serve` per module, started as a user starts it (the CLI, the default
+disaggregated ensemble ``tandem``, the tiny untrained demo checkpoint, ``--openai-port``);
+its greedy text is compared with what the ensemble itself answers over gRPC
+(``tandem.client.generate.stream_generate``) for the same prompt. The last test stops the
+server with Ctrl-C and checks that the API stopped with it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+
+from tandem.client.generate import stream_generate
+from tandem.client.openai.chat_template import PLAIN
+from tandem.client.process_group import die_with_parent
+from tandem.client.triton_server import free_port
+
+from .triton_calls import metric
+
+pytestmark = pytest.mark.e2e
+openai = pytest.importorskip("openai")
+MODEL = "tandem"
+PROMPT = "def fibonacci(n):\n    "
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    grpc_url: str
+    metrics_url: str
+    base_url: str
+    output: list
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_checkpoint):
+    run = tmp_path_factory.mktemp("serve-openai")
+    http, grpc, metrics, api = (free_port() for _ in range(4))
+    # its own process group and SIGTERM when this process dies: no orphan if pytest is killed
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--threads", "1",
+         "--max-num-seqs", "8", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+         "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
+         "--ready-timeout", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=functools.partial(die_with_parent, None))
+    output: list[str] = []
+    started = threading.Event()
+
+    def drain():   # read everything it prints, so it never blocks on a full pipe
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("Ctrl-C to stop."):
+                started.set()
+        started.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert started.wait(360) and proc.poll() is None, "".join(output)
+        assert any(f"http://127.0.0.1:{api}/v1" in line for line in output), "".join(output)
+        yield Served(proc, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
+                     f"http://127.0.0.1:{api}/v1", output)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def ensemble_text(served, prompt: str, max_tokens: int, **params) -> tuple[str, str, int]:
+    """(text, finish_reason, prompt tokens) the ensemble answers itself, greedy."""
+    text, last = "", None
+    for r in stream_generate(served.grpc_url, prompt, model=MODEL, max_tokens=max_tokens, temperature=0.0,
+                             stream=True, timeout_s=120, **params):
+        text += r.text
+        last = r if r.finish_reason else last
+    return text, last.finish_reason, last.num_input_tokens
+
+
+def post(served, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(served.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_lists_the_text_ensemble(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_completion_greedy_text_equals_the_ensembles(served, client):
+    want, reason, prompt_tokens = ensemble_text(served, PROMPT, 12)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (prompt_tokens, 12, prompt_tokens + 12)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and len(chunks) > 3      # streamed, step by step
+
+
+def test_chat_streamed_and_not_through_the_plain_template(served, client):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "class Stack:"}]
+    want, _, prompt_tokens = ensemble_text(served, PLAIN.render(messages), 10)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == prompt_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_are_independent_and_seeded(client):
+    kwargs = dict(model=MODEL, prompt="import ", max_tokens=8, temperature=1.0, n=2, seed=11)
+    r = client.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 16
+    again = client.completions.create(**kwargs)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]   # same seed, same choices
+    assert r.choices[0].text != r.choices[1].text                            # seed + index: they differ
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == r.choices[i].text
+
+
+def test_stop_strings_end_the_text_before_them(served, client):
+    full, _, _ = ensemble_text(served, PROMPT, 24)
+    stop = next(full[i:i + 2] for i in range(2, len(full) - 2) if full.find(full[i:i + 2]) > 0)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (full[:full.find(stop)], "stop")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  stop=["\x00never", stop])
+    assert r.choices[0].text == full[:full.find(stop)]
+
+
+@pytest.mark.parametrize("body,param", [
+    (dict(max_tokens=100000), "max_tokens"),     # the ensemble's INVALID_ARG: over the context
+    (dict(temperature=7), "temperature"),         # this API's own check
+    (dict(n=0), "n"),
+])
+def test_a_bad_parameter_is_a_400_with_openais_error_json(served, client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, **body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+    status, raw = post(served, "/completions", dict(model=MODEL, prompt=PROMPT, **body))
+    assert status == 400 and set(raw) == {"error"}
+    assert set(raw["error"]) == {"message", "type", "param", "code"}
+    assert raw["error"]["type"] == "invalid_request_error" and param in raw["error"]["message"]
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+
+
+def _pages(served) -> tuple[float, float]:
+    time.sleep(0.6)   # one poll of the metrics thread
+    return (metric(served, "tandem_kv_pages", "decode", state="in_use"),
+            metric(served, "tandem_kv_pages", "decode", state="reserved"))
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
+    idle = _pages(served)
+    aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
+    # most of the context: the tiny model needs seconds for it, the test closes after 5 chunks
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()                                # the HTTP connection goes away mid-stream
+    deadline = time.monotonic() + 30
+    while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
+        assert time.monotonic() < deadline, "the engine did not stop the abandoned stream"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while _pages(served) != idle:
+        assert time.monotonic() < deadline, "the abandoned stream's pages were not freed"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert r.choices[0].text == ensemble_text(served, PROMPT, 6)[0]
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
+    """Not streamed: the frontend notices the closed connection while it waits."""
+    import http.client
+    idle = _pages(served)
+    aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
+    host, port = served.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2000)),
+                 {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while metric(served, "tandem_requests_in_engine", "decode") < 1:   # it reached the engine
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.05)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
+        assert time.monotonic() < deadline, "the engine did not stop the abandoned request"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while _pages(served) != idle:
+        assert time.monotonic() < deadline, "the abandoned request's pages were not freed"
+
+
+def test_logprobs_of_the_sampled_tokens(served, client):
+    import tritonclient.grpc as grpcclient
+    config = grpcclient.InferenceServerClient(served.grpc_url).get_model_config(MODEL, as_json=True)["config"]
+    if "return_log_probs" not in {i["name"] for i in config["input"]}:
+        pytest.skip("the ensemble declares no return_log_probs input (output_log_probs) yet: issue 13, Deliver 1")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens) == r.choices[0].text
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0, logprobs=True)
+    assert len(c.choices[0].logprobs.content) == 4
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                            stream=True))
+    streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_penalties_reach_the_ensemble_when_it_declares_them(served, client):
+    import tritonclient.grpc as grpcclient
+    config = grpcclient.InferenceServerClient(served.grpc_url).get_model_config(MODEL, as_json=True)["config"]
+    declared = {i["name"] for i in config["input"]}
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, presence_penalty=1.5,
+                  frequency_penalty=0.5)
+    if {"presence_penalty", "frequency_penalty"} <= declared:
+        r = client.completions.create(**kwargs)
+        assert r.usage.completion_tokens >= 1
+    else:
+        with pytest.raises(openai.BadRequestError, match="declares no input"):
+            client.completions.create(**kwargs)
+
+
+def test_the_frontend_counts_requests_and_errors(served, client):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    text = urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    assert 'tandem_openai_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'tandem_openai_errors_total{endpoint="/v1/completions",status="400"}' in text
+    assert "tandem_openai_request_seconds_count" in text and "tandem_openai_time_to_first_token_seconds" in text
+
+
+def test_ctrl_c_stops_the_api_with_the_server(served):
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(timeout=90) == 0, "".join(served.output)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(served.base_url + "/models", timeout=5)
