@@ -24,7 +24,9 @@ CATEGORIES = (
     ("engine/sampler", "sampling"), ("speculative/", "sampling"),
     ("models/", "weights"), ("engine/proposers", "proposer"),
 )
-WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm")
+WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
+              "mkldnn::_linear_pointwise")   # the packed bf16 linear (models/packed_linear.py)
+OPERATOR_NAMESPACES = ("aten::", "mkldnn::")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,8 +99,8 @@ def profile_steps(llm, prompts, steps: int, new_tokens: int) -> dict:
     for e in prof.events():
         # top-level operators only (their children are inside their time); with_stack
         # makes the Python frames the operators' parents
-        if not e.name.startswith("aten::") or (e.cpu_parent is not None
-                                               and e.cpu_parent.name.startswith("aten::")):
+        if not e.name.startswith(OPERATOR_NAMESPACES) or (
+                e.cpu_parent is not None and e.cpu_parent.name.startswith(OPERATOR_NAMESPACES)):
             continue
         by[categorize(python_frames(e), e.name)] += e.cpu_time_total / 1e6
     ops = sum(by.values())

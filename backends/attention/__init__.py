@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from . import flashinfer_impl, torch_ref
+from . import layout
 from .layout import LAYOUTS
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
+    "append_slots",
     "get_batch_indices_positions",
     "LAYOUTS",
 ]
@@ -96,12 +98,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
-                          kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
+                          kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
+                          slots=None) -> None:
     """Write ragged K/V ``[nnz, num_kv_heads, head_dim]`` into the paged cache, in place.
 
     Token t goes to request ``batch_indices[t]`` at kv position ``positions[t]``
     (see :func:`get_batch_indices_positions`); the page table must already hold
-    the pages those positions fall in.
+    the pages those positions fall in. ``slots`` (a Tandem addition, CPU path only): the
+    tokens' pages and offsets from :func:`append_slots`, so a step's layers compute them once.
 
     >>> import torch
     >>> cache = torch.zeros(4, 2, 2, 1, 1)        # NHD, page_size 2, 1 head, dim 1
@@ -116,7 +120,20 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if flashinfer_impl.wanted(append_key):
         flashinfer_impl.append_paged_kv_cache(*args, kv_layout=kv_layout)
     else:
-        torch_ref.append_paged_kv_cache(*args, kv_layout=kv_layout)
+        torch_ref.append_paged_kv_cache(*args, kv_layout=kv_layout, slots=slots)
+
+
+def append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int):
+    """The physical (page, offset) of each token an append will write, for the
+    ``slots`` of :func:`append_paged_kv_cache`; None where FlashInfer computes them itself.
+
+    >>> append_slots(torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([5, 8, 2]),
+    ...              torch.tensor([0, 2, 3]), page_size=2)
+    (tensor([8, 2]), tensor([1, 0]))
+    """
+    if flashinfer_impl.wanted(positions):
+        return None
+    return layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices=None, positions=None):

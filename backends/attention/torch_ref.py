@@ -212,8 +212,10 @@ class TorchBatchDecodeWrapper(_PagedAttention):
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
-                          kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
-    """Write ragged K/V ``[nnz, num_kv_heads, head_dim]`` into their pages, in place."""
+                          kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
+                          slots=None) -> None:
+    """Write ragged K/V ``[nnz, num_kv_heads, head_dim]`` into their pages, in place;
+    ``slots``: their ``layout.token_slots``, if the caller computed them already."""
     layout.check_layout(kv_layout)
     k_cache, v_cache = layout.split_cache(paged_kv_cache, kv_layout)
     page_size, num_kv_heads, head_dim = layout.cache_geometry(k_cache, kv_layout)
@@ -222,8 +224,16 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             f"append_key/append_value must be [nnz, {num_kv_heads}, {head_dim}], got "
             f"{tuple(append_key.shape)} and {tuple(append_value.shape)}"
         )
-    page, slot = layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
-    if kv_layout == "NHD":
+    page, slot = slots or layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    if not isinstance(paged_kv_cache, (tuple, list)):
+        # one write for K and V: [page, :, slot] (NHD) or [page, :, :, slot] (HND) puts the
+        # token dimension first, then k/v: [nnz, 2, num_kv_heads, head_dim]
+        kv = torch.stack((append_key, append_value), 1).to(paged_kv_cache.dtype)
+        if kv_layout == "NHD":
+            paged_kv_cache[page, :, slot] = kv
+        else:
+            paged_kv_cache[page, :, :, slot] = kv
+    elif kv_layout == "NHD":
         k_cache[page, slot] = append_key.to(k_cache.dtype)
         v_cache[page, slot] = append_value.to(v_cache.dtype)
     else:  # [page, :, slot] puts the token dimension first: [nnz, num_kv_heads, head_dim]

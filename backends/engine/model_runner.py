@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                         append_paged_kv_cache)
+                         append_paged_kv_cache, append_slots)
 from ..kv_cache import KVPagePool, PageTable, build_page_table
-from ..models import LlamaForCausalLM
+from ..models import LlamaForCausalLM, pack_linears
 
 
 @dataclass(slots=True)
@@ -66,12 +66,16 @@ class PagedAttention:
     def __init__(self, pool: KVPagePool, wrapper, inputs: StepInputs, on_layer_done=None):
         self.pool, self.wrapper, self.inputs = pool, wrapper, inputs
         self.on_layer_done = on_layer_done
+        t = inputs.page_table
+        # every layer appends at the same places: their index maths once per step
+        self.slots = append_slots(inputs.batch_indices, inputs.positions, t.kv_indices,
+                                  t.kv_indptr, pool.page_size)
 
     def forward(self, layer, q, k, v):
         cache, t = self.pool.layer(layer), self.inputs.page_table
         append_paged_kv_cache(k, v, self.inputs.batch_indices, self.inputs.positions, cache,
                               t.kv_indices, t.kv_indptr, t.kv_last_page_len,
-                              kv_layout=self.pool.kv_layout)
+                              kv_layout=self.pool.kv_layout, slots=self.slots)
         out = self.wrapper.run(q, cache)
         if self.on_layer_done is not None:
             self.on_layer_done(layer)
@@ -85,6 +89,7 @@ class ModelRunner:
         """``model`` has a ``config`` (head counts) and is called as a LlamaForCausalLM
         by :meth:`forward`; an MTP head uses :meth:`attention` and calls itself."""
         self.model, self.pool = model, pool
+        pack_linears(model)   # inference only from here: oneDNN's packed bf16 weights
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         # FlashInfer wants a 128 MiB scratch buffer on GPU; the torch path ignores it

@@ -57,15 +57,14 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn.forward(self.layer, q, k, v)
+            q, k = self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hkv])
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:   # q and k rotated together: one set of ops per layer, not two
+            q, k = apply_rope(qkv[:, :hq + hkv], cos, sin).split([hq, hkv], dim=1)
+        out = attn.forward(self.layer, q, k, qkv[:, hq + hkv:])
         return self.o_proj(out.reshape(n, self.q_size))
 
 

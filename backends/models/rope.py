@@ -41,20 +41,26 @@ class RotaryTable:
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(self.dtype)
-        self.sin = emb.sin().to(self.dtype)
+        # the rotation's sign folded into sin: rotate_half(x) * sin == x.roll(half) * sin
+        # with the first half negated (exactly: only signs move), one op instead of four
+        half = emb.shape[-1] // 2
+        self.sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(self.dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [N, 1, head_dim] for int positions [N]."""
+        """cos and signed sin (see :func:`apply_rope`) of shape [N, 1, head_dim] for int
+        positions [N]."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim]; cos/sin: [N, 1, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [N, heads, head_dim]; cos and signed sin from :meth:`RotaryTable.lookup`:
+    [N, 1, head_dim]. The same values as HF's ``x * cos + rotate_half(x) * sin``.
+
+    >>> x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    >>> cos, sin = torch.tensor([0.5, 0.25, 0.5, 0.25]), torch.tensor([-2.0, -4.0, 2.0, 4.0])
+    >>> apply_rope(x, cos, sin)   # [1, 2, 3, 4] * cos + [-3, -4, 1, 2] * |sin|
+    tensor([[[ -5.5000, -15.5000,   3.5000,   9.0000]]])
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

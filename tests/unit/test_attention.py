@@ -18,6 +18,7 @@ from tandem.backends.attention import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
     append_paged_kv_cache,
+    append_slots,
     get_batch_indices_positions,
 )
 
@@ -255,10 +256,11 @@ def test_get_batch_indices_positions_with_empty_requests_and_out_buffers():
     assert (batch.tolist(), pos.tolist()) == plain_positions(append_lens, seq_lens)
 
 
+@pytest.mark.parametrize("precomputed", [False, True], ids=["slots", "given-slots"])
 @pytest.mark.parametrize("as_tuple", [False, True], ids=["5d", "tuple"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
-def test_append_writes_exactly_the_new_slots(kv_layout, page_size, as_tuple):
+def test_append_writes_exactly_the_new_slots(kv_layout, page_size, as_tuple, precomputed):
     gen = torch.Generator().manual_seed(page_size)
     old_lens, append_lens = [0, 5, 16, 3, 7], [3, 12, 1, 0, 17]  # spills across page boundaries
     seq_lens = [a + b for a, b in zip(old_lens, append_lens)]
@@ -275,7 +277,10 @@ def test_append_writes_exactly_the_new_slots(kv_layout, page_size, as_tuple):
     v = torch.randn(nnz, 2, HEAD_DIM, generator=gen)
     append_indptr = torch.tensor([0] + append_lens).cumsum(0).int()
     batch, pos = get_batch_indices_positions(append_indptr, torch.tensor(seq_lens).int(), nnz)
-    append_paged_kv_cache(k, v, batch, pos, cache, kv_indices, kv_indptr, last, kv_layout=kv_layout)
+    # the engine computes the slots once per step (append_slots) and passes them to every layer
+    slots = append_slots(batch, pos, kv_indices, kv_indptr, page_size) if precomputed else None
+    append_paged_kv_cache(k, v, batch, pos, cache, kv_indices, kv_indptr, last, kv_layout=kv_layout,
+                          slots=slots)
 
     for t, (b, p) in enumerate(zip(*plain_positions(append_lens, seq_lens))):
         page = int(kv_indices[int(kv_indptr[b]) + p // page_size])
