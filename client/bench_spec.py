@@ -12,7 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from typing import Callable
+
 from .bench_common import timed
+from .bench_repeats import error_bars, fmt, spread
 from .bench_report import header, save_figure, write
 
 DEMO = Path("checkpoints/demo")
@@ -30,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts, cycled per batch")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every row, interleaved (each row once per repeat); the tables "
+                        "show the median and the spread")
+    p.add_argument("--draft-vocab-sizes", default="",
+                   help="also the draft and the MTP head over their N most frequent tokens "
+                        "(FR-Spec; comma-separated sizes, e.g. 1024,2048; needs "
+                        "token_frequencies.json in their checkpoints)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -43,30 +53,37 @@ def bench_prompt_ids(target: Path, n: int, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t).ids[-96:] for t in texts[:n]]
 
 
-def tandem_row(target, dtype, prompts, new_tokens, speculative=None) -> dict:
+RunResult = dict   # tokens_per_s, acceptance_rate, mean_acceptance_length
+
+
+def tandem_runner(target, dtype, prompts, new_tokens, speculative=None) -> Callable[[], RunResult]:
+    """An engine loaded and warmed up once; each call generates the batch again."""
     from tandem.backends import LLM, SamplingParams
     llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    llm.engine.spec_metrics.reset()
-    seconds = timed(lambda: llm.generate(prompts, params))
-    m = llm.engine.spec_metrics
-    return dict(tokens_per_s=len(prompts) * new_tokens / seconds / len(prompts),
-                acceptance_rate=m.acceptance_rate if speculative else None,
-                mean_acceptance_length=m.mean_acceptance_length if speculative else None)
+
+    def run() -> RunResult:
+        llm.engine.spec_metrics.reset()
+        seconds = timed(lambda: llm.generate(prompts, params))
+        m = llm.engine.spec_metrics
+        return dict(tokens_per_s=new_tokens / seconds,
+                    acceptance_rate=m.acceptance_rate if speculative else None,
+                    mean_acceptance_length=m.mean_acceptance_length if speculative else None)
+    return run
 
 
-def hf_row(target, dtype, prompts, new_tokens, **gen_kwargs) -> dict | None:
+def hf_runner(target, dtype, prompts, new_tokens, **gen_kwargs) -> Callable[[], RunResult] | None:
     import torch
     from transformers import AutoModelForCausalLM
+    if len(prompts) > 1 and gen_kwargs:
+        return None  # HF assisted and prompt-lookup generation take batch 1 only
     model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
     if "assistant_model" in gen_kwargs:
         gen_kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(
             gen_kwargs["assistant_model"], dtype=getattr(torch, dtype)).eval()
-    if len(prompts) > 1 and gen_kwargs:
-        return None  # HF assisted and prompt-lookup generation take batch 1 only
 
-    def run():
+    def generate():
         with torch.inference_mode():
             if len(prompts) == 1:
                 ids = torch.tensor(prompts)
@@ -79,85 +96,128 @@ def hf_row(target, dtype, prompts, new_tokens, **gen_kwargs) -> dict | None:
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
                 model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, pad_token_id=0)
-    seconds = timed(run)
-    return dict(tokens_per_s=new_tokens / seconds, acceptance_rate=None, mean_acceptance_length=None)
+    generate()   # warm-up, as the engines get
+
+    def run() -> RunResult:
+        return dict(tokens_per_s=new_tokens / timed(generate), acceptance_rate=None,
+                    mean_acceptance_length=None)
+    return run
+
+
+def label(method: str, vocab: int | None) -> str:
+    """A method's name in the table: ``mtp``, or ``mtp/v1024`` over a 1024-token vocabulary."""
+    return method if vocab is None else f"{method}/v{vocab}"
+
+
+def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
+    """Every row of one batch size: ((system, method, k), run) in table order."""
+    from tandem.backends import SpeculativeConfig
+    methods = []
+    vocabs = [None] + [int(v) for v in args.draft_vocab_sizes.split(",") if v]
+    for vocab in vocabs:
+        if (args.draft / "config.json").exists():
+            methods.append(("draft_target", vocab, dict(draft_model=str(args.draft))))
+        if (args.mtp / "config.json").exists():
+            methods.append(("mtp", vocab, dict(mtp_head=str(args.mtp))))
+    methods.append(("ngram", None, {}))   # prompt lookup: no model
+    rows = [(("tandem", "none", 0), tandem_runner(args.target, args.dtype, prompts, args.new_tokens))]
+    if (args.draft / "config.json").exists():   # the draft decoding alone: its cost per token
+        rows.append((("tandem", "draft_alone", 0),
+                     tandem_runner(args.draft, args.dtype, prompts, args.new_tokens)))
+    for method, vocab, paths in methods:
+        for k in map(int, args.ks.split(",")):
+            spec = SpeculativeConfig(method, k, draft_vocab_size=vocab, **paths)
+            rows.append((("tandem", label(method, vocab), k),
+                         tandem_runner(args.target, args.dtype, prompts, args.new_tokens, spec)))
+    if not args.no_hf:
+        hf = [(("hf", "none", 0), hf_runner(args.target, args.dtype, prompts, args.new_tokens))]
+        if (args.draft / "config.json").exists():
+            hf.append((("hf", "assisted", 0), hf_runner(args.target, args.dtype, prompts,
+                                                        args.new_tokens, assistant_model=args.draft)))
+        hf.append((("hf", "prompt_lookup", 0), hf_runner(args.target, args.dtype, prompts,
+                                                         args.new_tokens, prompt_lookup_num_tokens=3)))
+        rows += [(key, r) for key, r in hf if r is not None]
+    return rows
 
 
 def run(args) -> int:
     import torch
     torch.set_num_threads(args.threads)
-    from tandem.backends import SpeculativeConfig
     from tandem.backends.models.tokenizer import load_tokenizer
     if not (args.target / "config.json").exists():
         raise SystemExit(f"--target {args.target}: no checkpoint (train it: see checkpoints/demo/README.md)")
     tok = load_tokenizer(args.target)
     base_prompts = bench_prompt_ids(args.target, args.num_prompts, tok)
-    methods = []
-    if (args.draft / "config.json").exists():
-        methods.append(("draft_target", dict(draft_model=str(args.draft))))
-    if (args.mtp / "config.json").exists():
-        methods.append(("mtp", dict(mtp_head=str(args.mtp))))
-    methods.append(("ngram", {}))   # prompt lookup: no model
-    rows = []
-
-    def add(batch, system, method, k, r):
-        if r is None:
-            return
-        rows.append(dict(batch=batch, system=system, method=method, k=k, **r))
-        acc = "" if r["acceptance_rate"] is None else \
-            f"{r['acceptance_rate']:.2f}  {r['mean_acceptance_length']:.2f}"
-        print(f"{batch:>5} {system:>7} {method:>13} {k if k else '-':>3} "
-              f"{r['tokens_per_s']:>9.1f}  {acc}", flush=True)
-
     print(f"target {args.target}, {args.dtype}, {args.threads} threads, {args.new_tokens} new tokens, "
-          "greedy; tok/s per request stream")
-    print(f"{'batch':>5} {'system':>7} {'method':>13} {'k':>3} {'tok/s':>9}  acceptance  length")
+          f"greedy, {args.repeats} interleaved repeats; tok/s per request stream")
+    print(f"{'batch':>5} {'system':>7} {'method':>16} {'k':>3} {'tok/s median (min-max)':>24}  "
+          "acceptance  length")
+    rows = []
     for batch in map(int, args.batch_sizes.split(",")):
         prompts = [base_prompts[i % len(base_prompts)] for i in range(batch)]
-        add(batch, "tandem", "none", 0, tandem_row(args.target, args.dtype, prompts, args.new_tokens))
-        if (args.draft / "config.json").exists():   # the draft decoding alone: its cost per token
-            add(batch, "tandem", "draft_alone", 0,
-                tandem_row(args.draft, args.dtype, prompts, args.new_tokens))
-        for method, paths in methods:
-            for k in map(int, args.ks.split(",")):
-                spec = SpeculativeConfig(method, k, **paths)
-                add(batch, "tandem", method, k,
-                    tandem_row(args.target, args.dtype, prompts, args.new_tokens, spec))
-        if not args.no_hf:
-            add(batch, "hf", "none", 0, hf_row(args.target, args.dtype, prompts, args.new_tokens))
-            if (args.draft / "config.json").exists():
-                add(batch, "hf", "assisted", 0, hf_row(args.target, args.dtype, prompts,
-                                                       args.new_tokens, assistant_model=args.draft))
-            add(batch, "hf", "prompt_lookup", 0, hf_row(args.target, args.dtype, prompts,
-                                                        args.new_tokens, prompt_lookup_num_tokens=3))
+        runners = runners_for(args, prompts)
+        runs: dict[tuple, list[RunResult]] = {key: [] for key, _ in runners}
+        for _ in range(args.repeats):          # every row once per repeat: interleaved
+            for key, run_once in runners:
+                runs[key].append(run_once())
+        for (system, method, k), results in runs.items():
+            row = dict(batch=batch, system=system, method=method, k=k,
+                       **{name: spread([r[name] for r in results]) for name in RESULT_KEYS})
+            rows.append(row)
+            acc = "" if row["acceptance_rate"]["median"] is None else \
+                f"{row['acceptance_rate']['median']:.2f}  {row['mean_acceptance_length']['median']:.2f}"
+            print(f"{batch:>5} {system:>7} {method:>16} {k if k else '-':>3} "
+                  f"{fmt(row['tokens_per_s']):>24}  {acc}", flush=True)
     result = dict(**header("spec", args), target=str(args.target), dtype=args.dtype,
-                  new_tokens=args.new_tokens, rows=rows, summary=summarize(rows))
+                  new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
+                  summary=summarize(rows))
     write(result, args.out)
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {args.out}, {plot(rows, args.out, result)}")
     return 0
 
 
+RESULT_KEYS = ("tokens_per_s", "acceptance_rate", "mean_acceptance_length")
+SPECULATIVE = ("draft_target", "mtp", "ngram")
+
+
+def per_run(rows: list[dict], key: tuple) -> list[float] | None:
+    r = next((r for r in rows if (r["system"], r["method"], r["k"]) == key), None)
+    return None if r is None else r["tokens_per_s"]["runs"]
+
+
+def ratio(a: list[float] | None, b: list[float] | None) -> dict | None:
+    """The spread of a/b taken run by run (the rows of one repeat ran side by side)."""
+    if not a or not b:
+        return None
+    return spread([x / y for x, y in zip(a, b) if x and y])
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Per batch size: the best speculative row against plain decoding and against HF's
-    assisted generation, and the draft's cost per token relative to the target's."""
+    """Per batch size, medians over the repeats with their spread: plain against HF plain;
+    the best speculative row (highest median) against plain, HF assisted generation and
+    HF prompt lookup; the draft's cost per token relative to the target's."""
     out = {}
     for batch in sorted({r["batch"] for r in rows}):
-        rs = {(r["system"], r["method"], r["k"]): r["tokens_per_s"] for r in rows if r["batch"] == batch}
-        plain = rs.get(("tandem", "none", 0))
-        spec = {k: v for k, v in rs.items() if k[0] == "tandem" and k[1] in ("draft_target", "mtp")}
-        best = max(spec, key=spec.get) if spec else None
-        row = {"plain_tok_s": plain}
-        if best is not None and plain:
-            row.update(best=f"{best[1]} k={best[2]}", best_tok_s=round(spec[best], 1),
-                       speedup_over_plain=round(spec[best] / plain, 2))
-            hf = rs.get(("hf", "assisted", 0))
-            if hf:
-                row["speedup_over_hf_assisted"] = round(spec[best] / hf, 2)
-        draft = rs.get(("tandem", "draft_alone", 0))
+        rs = [r for r in rows if r["batch"] == batch]
+        plain = per_run(rs, ("tandem", "none", 0))
+        spec = [r for r in rs if r["system"] == "tandem" and r["method"].split("/")[0] in SPECULATIVE]
+        row = {"plain_tok_s": spread(plain or [])["median"],
+               "plain_over_hf_plain": ratio(plain, per_run(rs, ("hf", "none", 0)))}
+        if spec and plain:
+            best = max(spec, key=lambda r: r["tokens_per_s"]["median"])
+            key = ("tandem", best["method"], best["k"])
+            row.update(best=f"{best['method']} k={best['k']}",
+                       best_tok_s=best["tokens_per_s"]["median"],
+                       speedup_over_plain=ratio(per_run(rs, key), plain),
+                       speedup_over_hf_assisted=ratio(per_run(rs, key),
+                                                      per_run(rs, ("hf", "assisted", 0))),
+                       speedup_over_hf_prompt_lookup=ratio(per_run(rs, key),
+                                                           per_run(rs, ("hf", "prompt_lookup", 0))))
+        draft = per_run(rs, ("tandem", "draft_alone", 0))
         if draft and plain:
-            row["draft_cost_over_target_cost"] = round(plain / draft, 3)
-        out[f"batch {batch}"] = row
+            row["draft_cost_over_target_cost"] = ratio(plain, draft)
+        out[f"batch {batch}"] = {k: v for k, v in row.items() if v is not None}
     return out
 
 
@@ -169,16 +229,17 @@ def plot(rows: list[dict], out: Path, report: dict) -> Path:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         rs = [r for r in rows if r["batch"] == batch]
-        for method in ("draft_target", "mtp", "ngram"):
+        methods = sorted({r["method"] for r in rs if r["method"].split("/")[0] in SPECULATIVE})
+        for method in methods:
             m = sorted((r for r in rs if r["method"] == method), key=lambda r: r["k"])
-            if m:
-                ax.plot([r["k"] for r in m], [r["tokens_per_s"] for r in m], "o-", label=method)
+            med, err = error_bars([r["tokens_per_s"] for r in m])
+            ax.errorbar([r["k"] for r in m], med, yerr=err, fmt="o-", capsize=2, label=method)
         for system, method, style in (("tandem", "none", "k--"), ("hf", "none", "c:"),
                                       ("hf", "assisted", "m:"), ("hf", "prompt_lookup", "y:")):
             r = next((r for r in rs if r["system"] == system and r["method"] == method), None)
             if r:
-                ax.axhline(r["tokens_per_s"], ls=style[1:], color=style[0],
+                ax.axhline(r["tokens_per_s"]["median"], ls=style[1:], color=style[0],
                            label=f"{system} {method if method != 'none' else 'plain'}")
-        ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("tokens/s per request")
+        ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("tokens/s per request (median)")
         ax.set_title(f"batch {batch}"); ax.legend(fontsize=7)
     return save_figure(fig, out.with_suffix(".png"), report)

@@ -1,5 +1,6 @@
 """``tandem train mtp`` and ``tandem train mtp-eval``: an MTP head for a target, and
-its acceptance measured through the engine. Registered by client/train.py.
+its acceptance measured through the engine; ``tandem train token-frequencies``: the
+proposers' frequent-token vocabulary. Registered by client/train.py.
 
     tandem train mtp --target checkpoints/demo/target --data .cache/train/target/data \\
         --out checkpoints/demo/mtp [--no-norms] [--config configs/mtp.json] [--device cuda]
@@ -22,7 +23,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.json"
 
 
 def add_subcommands(sub) -> None:
-    """Add ``mtp`` and ``mtp-eval`` to the ``tandem train`` subparsers."""
+    """Add ``mtp``, ``mtp-eval`` and ``token-frequencies`` to the ``tandem train`` subparsers."""
     p = sub.add_parser("mtp", help="train an MTP head (EAGLE-style, norms re-introduced) for a "
                                    "Llama-family HF target")
     p.add_argument("--target", required=True, help="the target's HF checkpoint directory")
@@ -61,6 +62,36 @@ def add_subcommands(sub) -> None:
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--out", default=None, help="write the report as JSON here")
     e.set_defaults(func=run_mtp_eval)
+
+    f = sub.add_parser("token-frequencies",
+                       help="rank the target's tokens by their count in the training data, for "
+                            "a proposer's frequent-token vocabulary (--draft-vocab-size)")
+    f.add_argument("--target", required=True, help="the target's HF checkpoint directory")
+    f.add_argument("--data", default=None, help="as for `tandem train mtp`")
+    f.add_argument("--out", action="append", required=True, metavar="DIR",
+                   help="proposer checkpoint directory to write token_frequencies.json into "
+                        "(repeatable: the draft and the MTP head)")
+    f.add_argument("--work-dir", default=".cache/train/token-frequencies")
+    f.set_defaults(func=run_token_frequencies)
+
+
+def run_token_frequencies(args: argparse.Namespace) -> int:
+    from tandem.backends.models import ModelConfig
+    from tandem.backends.speculative.draft_vocab import (FREQUENCIES_FILE, coverage,
+                                                         rank_by_frequency, save_frequencies)
+    from tandem.backends.training.mtp import load_token_streams
+
+    vocab_size = ModelConfig.from_dir(args.target).vocab_size
+    stream = load_token_streams(args.data, args.target, args.work_dir).train
+    ids, counts = rank_by_frequency(stream, vocab_size)
+    for out in args.out:
+        save_frequencies(Path(out) / FREQUENCIES_FILE, ids, counts,
+                         f"training split of {args.data or 'the stdlib corpus'}, "
+                         f"{len(stream)} tokens")
+        print(f"wrote {Path(out) / FREQUENCIES_FILE}")
+    for size in (256, 512, 1024, 2048):
+        print(f"the {size} most frequent tokens cover {coverage(counts, size):.3f} of the training split")
+    return 0
 
 
 def run_mtp(args: argparse.Namespace) -> int:

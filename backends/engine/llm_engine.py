@@ -19,7 +19,7 @@ from .logits_processors import LogitsControls, apply_controls, bad_words_token_i
 from .model_runner import ForwardBatch, ModelRunner
 from .ngram import NgramProposer
 from .params import SamplingParams
-from .proposers import StepHidden, load_proposer_model, make_proposer
+from .proposers import StepHidden, draft_vocab_ids, load_proposer_model, make_proposer
 from .sampler import sample, token_logprobs, verify_drafts
 from .scheduler import Scheduler
 from .scheduler import ScheduledSeq
@@ -88,13 +88,14 @@ class LLMEngine:
             self.pool = KVPagePool.for_model(cfg, num_pages, page_size, dtype, config.kv_layout,
                                              config.device)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        # the target's runner first: it packs the target's lm_head, which an MTP head shares
+        self.runner = ModelRunner(self.model, self.pool)
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
         # with speculation a decode step writes k drafts past the scheduled token
         self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.num_lookahead_slots)
-        self.runner = ModelRunner(self.model, self.pool)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -117,7 +118,8 @@ class LLMEngine:
             if pool.num_pages != num_pages:
                 raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
                                  f"{num_pages}: they share page ids")
-        return make_proposer(model, self.model, pool)
+        return make_proposer(model, self.model, pool,
+                             draft_vocab_ids(spec, self.model.config.vocab_size))
 
     # -- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

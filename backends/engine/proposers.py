@@ -13,11 +13,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 from ..kv_cache import KVPagePool
 from ..models import LlamaForCausalLM, load_model
 from ..models.mtp import MTPHead, load_mtp_head
+from ..models.packed_linear import PackedLinear, packing_supported
 from ..speculative.config import SpeculativeConfig
+from ..speculative.draft_vocab import load_frequent_ids
 from .model_runner import ForwardBatch, ModelRunner
 from .sequence import Sequence
 
@@ -27,13 +30,45 @@ StepHidden = dict[str, tuple[int, torch.Tensor]]
 DraftProcess = Callable[[torch.Tensor, "torch.Tensor | None"], None]
 
 
-def greedy_draft(logits: torch.Tensor, drafts: list[torch.Tensor],
-                 process: DraftProcess | None) -> torch.Tensor:
-    """The next draft token per row: the argmax, of the processed logits when the batch
-    uses logits controls (so drafts agree with a controlled target more often)."""
-    if process is not None:
-        process(logits, torch.stack(drafts, 1) if drafts else None)
-    return logits.argmax(-1)
+class DraftVocab:
+    """A proposer's output layer: final norm and lm_head over the whole vocabulary, or
+    over its ``ids`` only (the most frequent tokens: FR-Spec), with drafts mapped back."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, ids: torch.Tensor | None = None):
+        self.norm, self.ids, self.head = norm, ids, lm_head
+        if ids is not None:
+            sub = nn.Linear(lm_head.in_features, len(ids), bias=False,
+                            device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+            sub.weight = nn.Parameter(lm_head.weight.detach()[ids.to(lm_head.weight.device)].clone(),
+                                      requires_grad=False)
+            self.head = PackedLinear(sub) if packing_supported(sub.weight) else sub
+            self.ids = ids.to(lm_head.weight.device)
+
+    @property
+    def full(self) -> bool:
+        return self.ids is None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the scored tokens of pre-norm ``hidden`` rows."""
+        return self.head(self.norm(hidden)).float()
+
+    def greedy(self, logits: torch.Tensor, drafts: list[torch.Tensor],
+               process: DraftProcess | None) -> torch.Tensor:
+        """The next draft token per row: the argmax, of the processed logits when the batch
+        uses logits controls (so drafts agree with a controlled target more often; controls
+        need every token's logit, so a subset vocabulary drafts without them)."""
+        if process is not None and self.full:
+            process(logits, torch.stack(drafts, 1) if drafts else None)
+        index = logits.argmax(-1)
+        return index if self.ids is None else self.ids[index]
+
+
+def draft_vocab_ids(spec: SpeculativeConfig, vocab_size: int) -> torch.Tensor | None:
+    """The token ids the proposer scores (``spec.draft_vocab_size`` of them), or None."""
+    if spec.draft_vocab_size is None:
+        return None
+    model_dir = spec.draft_model if spec.method == "draft_target" else spec.mtp_head
+    return load_frequent_ids(model_dir, spec.draft_vocab_size, vocab_size)
 
 
 def load_proposer_model(spec: SpeculativeConfig, target: LlamaForCausalLM, dtype: str,
@@ -50,18 +85,22 @@ def load_proposer_model(spec: SpeculativeConfig, target: LlamaForCausalLM, dtype
     raise ValueError(f"no proposer model for speculative method {spec.method!r}")
 
 
-def make_proposer(model: LlamaForCausalLM | MTPHead, target: LlamaForCausalLM, pool: KVPagePool):
+def make_proposer(model: LlamaForCausalLM | MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
+                  vocab_ids: torch.Tensor | None = None):
+    """``vocab_ids``: score only these tokens when drafting (see :class:`DraftVocab`)."""
     if isinstance(model, MTPHead):
-        return MTPProposer(model, target, pool)
-    return DraftModelProposer(model, pool)
+        return MTPProposer(model, target, pool, vocab_ids)
+    return DraftModelProposer(model, pool, vocab_ids)
 
 
 class DraftModelProposer:
     """Draft-target: the draft has seen every token of the sequence (its KV is one
     token ahead of the target's) and carries the logits for the next one."""
 
-    def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool):
+    def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
+                 vocab_ids: torch.Tensor | None = None):
         self.runner = ModelRunner(draft, pool)
+        self.vocab = DraftVocab(draft.norm, draft.lm_head, vocab_ids)
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
@@ -76,7 +115,7 @@ class DraftModelProposer:
         batch = ForwardBatch([s.token_ids(a, b) for s, a, b in todo], [a for _, a, _ in todo],
                              [s.pages for s, _, _ in todo])
         inputs, hidden = self.runner.forward(batch)
-        logits = self.runner.logits(hidden[inputs.last_rows])
+        logits = self.vocab.logits(hidden[inputs.last_rows])
         for i, (s, _, b) in enumerate(todo):
             s.draft.computed = b
             s.draft.logits = logits[i] if b == s.num_tokens else None
@@ -84,7 +123,7 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
         drafts: list[torch.Tensor] = []
-        token = greedy_draft(torch.stack([s.draft.logits for s in seqs]), drafts, process)
+        token = self.vocab.greedy(torch.stack([s.draft.logits for s in seqs]), drafts, process)
         drafts.append(token)
         for _ in range(k - 1):
             batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
@@ -92,7 +131,7 @@ class DraftModelProposer:
             _, hidden = self.runner.forward(batch)
             for s in seqs:
                 s.draft.computed += 1
-            token = greedy_draft(self.runner.logits(hidden), drafts, process)
+            token = self.vocab.greedy(self.vocab.logits(hidden), drafts, process)
             drafts.append(token)
         return torch.stack(drafts, 1)
 
@@ -108,9 +147,12 @@ class MTPProposer:
     """MTP: head row i reads (t_{i+1}, h_i) and predicts t_{i+2}; its cache covers the
     rows whose target hidden state exists, one short of the sequence."""
 
-    def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool):
+    def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
+                 vocab_ids: torch.Tensor | None = None):
         self.head, self.target = head, target
         self.runner = ModelRunner(head, pool)
+        # the head drafts through the target's final norm and lm_head
+        self.vocab = DraftVocab(target.norm, target.lm_head, vocab_ids)
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
@@ -139,7 +181,7 @@ class MTPProposer:
         inputs, g = self._run([t[0] for t in todo], [s.token_ids(a + 1, b + 1) for s, a, b, _ in todo],
                               [a for _, a, _, _ in todo], torch.cat([t[3] for t in todo]))
         last = inputs.last_rows
-        logits = self.target.compute_logits(g[last])
+        logits = self.vocab.logits(g[last])
         for i, (s, _, b, _) in enumerate(todo):
             s.draft.computed = b
             done = b == s.num_tokens - 1
@@ -150,7 +192,7 @@ class MTPProposer:
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
         drafts: list[torch.Tensor] = []
-        token = greedy_draft(torch.stack([s.draft.logits for s in seqs]), drafts, process)
+        token = self.vocab.greedy(torch.stack([s.draft.logits for s in seqs]), drafts, process)
         g = torch.stack([s.draft.hidden for s in seqs])
         drafts.append(token)
         for _ in range(k - 1):
@@ -158,7 +200,7 @@ class MTPProposer:
             _, g = self._run(seqs, [[t] for t in token.tolist()], [s.draft.computed for s in seqs], g)
             for s in seqs:
                 s.draft.computed += 1
-            token = greedy_draft(self.target.compute_logits(g), drafts, process)
+            token = self.vocab.greedy(self.vocab.logits(g), drafts, process)
             drafts.append(token)
         return torch.stack(drafts, 1)
 
@@ -172,7 +214,7 @@ class MTPProposer:
         inputs, g = self._run(seqs, tokens.clamp_min(0).tolist(), starts,
                               target_hidden.reshape(b * width, -1))
         last = torch.tensor([i * width + s.num_computed - 1 - starts[i] for i, s in enumerate(seqs)])
-        logits = self.target.compute_logits(g[last])
+        logits = self.vocab.logits(g[last])
         for i, s in enumerate(seqs):
             s.draft.computed = s.num_computed
             s.draft.logits, s.draft.hidden = logits[i], g[last[i]]

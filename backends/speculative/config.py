@@ -22,6 +22,9 @@ class SpeculativeConfig:
     # ngram (prompt lookup, vLLM's names): match the last n tokens, n from max down to min
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # the proposer scores only this many of its most frequent tokens (draft_vocab.py);
+    # None: the whole vocabulary
+    draft_vocab_size: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +65,11 @@ class SpeculativeConfig:
             raise ValueError("method='draft_target' needs draft_model (a checkpoint directory)")
         if self.method == "mtp" and not self.mtp_head:
             raise ValueError("method='mtp' needs mtp_head (a checkpoint directory)")
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1
+                              or not self.has_kv):
+            raise ValueError(f"draft_vocab_size={n!r} is invalid; allowed: None or an integer "
+                             ">= 1 with draft_target or mtp")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
                              f"{self.prompt_lookup_max}; allowed: 1 <= min <= max <= 16")
