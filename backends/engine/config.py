@@ -30,6 +30,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
+    # CUDA only (vLLM's name): run decode steps eagerly instead of replaying CUDA graphs;
+    # the CPU always runs eagerly
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         if self.speculative is not None:

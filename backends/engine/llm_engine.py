@@ -14,6 +14,7 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .graph_runner import GraphedDecode
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
@@ -72,6 +73,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_dir)
         cfg = self.model.config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        # positions up to the context plus speculative lookahead (the table cannot grow
+        # on a GPU without a host sync)
+        self.model.rotary_table().reserve(self.max_model_len + 17)
         self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
         page_size = config.page_size
         dtype = self.model.embed_tokens.weight.dtype
@@ -96,9 +100,30 @@ class LLMEngine:
         self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.num_lookahead_slots)
+        self.decode_graphs = None
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            self.decode_graphs = self.make_decode_graphs()
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+
+    def make_decode_graphs(self, graphs=None) -> GraphedDecode:
+        """Plain decode steps replayed from graphs (CUDA graphs on a GPU; ``graphs``
+        another :class:`GraphBackend`); padding rows write one page reserved here."""
+        scratch = self.allocator.alloc(1)[0]
+        max_pages = pages_needed(self.max_model_len + self.num_lookahead_slots,
+                                 self.config.page_size)
+        return GraphedDecode(self.model, self.pool, scratch, self.config.max_num_seqs,
+                             max_pages, graphs)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Pre-norm hidden states of every new token: replayed for a plain decode batch
+        that a graph holds, eager otherwise."""
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.forward(batch)
+            if hidden is not None:
+                return hidden
+        return self.runner.forward(batch)[1]
 
     def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype,
                        pool: KVPagePool | None):
@@ -247,9 +272,10 @@ class LLMEngine:
         starts = [s.start for s in scheduled]
         batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled], starts,
                              [s.seq.pages for s in scheduled])
-        inputs, hidden = self.runner.forward(batch)
-        rows = inputs.last_rows[[i for i, s in enumerate(scheduled) if s.samples]]
-        logits = self.runner.logits(hidden[rows])
+        hidden = self._forward(batch)
+        ptr = list(itertools.accumulate(batch.qo_lens, initial=0))
+        logits = self.runner.logits(hidden[[ptr[i + 1] - 1 for i, s in enumerate(scheduled)
+                                            if s.samples]])
         sampling = [s.seq for s in scheduled if s.samples]
         self._apply_controls(logits, sampling)
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
@@ -260,7 +286,6 @@ class LLMEngine:
                    for seq, tok, lp in zip(sampling, tokens, logprobs)]
         if self.proposer is not None:
             # prefill and mixed steps decode plainly; the proposer then sees what the target saw
-            ptr = inputs.qo_indptr.tolist()
             step_hidden: StepHidden = {s.seq.request_id: (starts[i], hidden[ptr[i]:ptr[i + 1]])
                                        for i, s in enumerate(scheduled)}
             live = [s.seq for s in scheduled if not s.seq.is_finished]

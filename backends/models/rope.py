@@ -46,10 +46,18 @@ class RotaryTable:
         half = emb.shape[-1] // 2
         self.sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(self.dtype)
 
+    def reserve(self, length: int) -> None:
+        """Make the table cover positions ``0..length - 1``."""
+        if length > self.cos.shape[0]:
+            self._build(length)
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see :func:`apply_rope`) of shape [N, 1, head_dim] for int
         positions [N]."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        # on a GPU the table is sized up front (reserve): reading positions back would
+        # synchronise every step and cannot run inside a CUDA graph
+        if positions.device.type == "cpu" and positions.numel() and \
+                int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
