@@ -17,6 +17,7 @@ BENCHMARKS = {
     "spec-serving": "speculation through the server: none, draft-target, MTP at k=1..5, concurrency 1 and 8",
     "profile": "where a decode step and a verify step spend their time (weights, attention, planning, "
                "sampling, Python)",
+    "compile": "the decode step eager against torch.compile (inductor, static shapes): does compiling pay",
     "soak": "N requests under cancellations, injected faults, extreme values and stub kills: hung, "
             "unclear failures, inexact greedy text, leaks, recovery time",
     "genai-perf": "genai-perf against the ensemble (triton service kind) and the OpenAI API (completions, chat)",

@@ -33,6 +33,9 @@ class EngineConfig:
     # CUDA only (vLLM's name): run decode steps eagerly instead of replaying CUDA graphs;
     # the CPU always runs eagerly
     enforce_eager: bool = False
+    # CPU only: decode batches of 1 and 2 through torch.compile (compiled_decode.py);
+    # ~10 s of compiling per size on first use
+    compile: bool = False
 
     def validate(self) -> None:
         if self.speculative is not None:

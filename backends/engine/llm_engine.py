@@ -14,6 +14,7 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .compiled_decode import CompiledDecode
 from .graph_runner import GraphedDecode
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
@@ -100,9 +101,11 @@ class LLMEngine:
         self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.num_lookahead_slots)
-        self.decode_graphs = None
+        self.decode_graphs: GraphedDecode | CompiledDecode | None = None
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs()
+        elif config.device == "cpu" and config.compile:
+            self.decode_graphs = CompiledDecode(self.model, self.pool, self.allocator.alloc(1)[0])
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
