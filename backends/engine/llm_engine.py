@@ -21,7 +21,8 @@ from .logits_processors import LogitsControls, apply_controls, bad_words_token_i
 from .model_runner import ForwardBatch, ModelRunner
 from .ngram import NgramProposer
 from .params import SamplingParams
-from .proposers import StepHidden, draft_vocab_ids, load_proposer_model, make_proposer
+from .proposers import (DraftModelProposer, StepHidden, draft_vocab_ids, load_proposer_model,
+                        make_proposer)
 from .sampler import sample, token_logprobs, verify_drafts
 from .scheduler import Scheduler
 from .scheduler import ScheduledSeq
@@ -105,7 +106,11 @@ class LLMEngine:
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs()
         elif config.device == "cpu" and config.compile:
-            self.decode_graphs = CompiledDecode(self.model, self.pool, self.allocator.alloc(1)[0])
+            scratch = self.allocator.alloc(1)[0]    # page ids are shared with the draft's pool
+            self.decode_graphs = CompiledDecode(self.model, self.pool, scratch)
+            if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
+                runner = self.proposer.runner
+                self.proposer.fast_decode = CompiledDecode(runner.model, runner.pool, scratch)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -116,6 +121,10 @@ class LLMEngine:
         scratch = self.allocator.alloc(1)[0]
         max_pages = pages_needed(self.max_model_len + self.num_lookahead_slots,
                                  self.config.page_size)
+        if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
+            runner = self.proposer.runner
+            self.proposer.fast_decode = GraphedDecode(runner.model, runner.pool, scratch,
+                                                      self.config.max_num_seqs, max_pages, graphs)
         return GraphedDecode(self.model, self.pool, scratch, self.config.max_num_seqs,
                              max_pages, graphs)
 

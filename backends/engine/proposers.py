@@ -101,6 +101,8 @@ class DraftModelProposer:
                  vocab_ids: torch.Tensor | None = None):
         self.runner = ModelRunner(draft, pool)
         self.vocab = DraftVocab(draft.norm, draft.lm_head, vocab_ids)
+        # graphed (GPU) or compiled (CPU) decode steps, when the engine has them
+        self.fast_decode = None
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
@@ -128,7 +130,9 @@ class DraftModelProposer:
         for _ in range(k - 1):
             batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
                                  [s.pages for s in seqs])
-            _, hidden = self.runner.forward(batch)
+            hidden = None if self.fast_decode is None else self.fast_decode.forward(batch)
+            if hidden is None:
+                _, hidden = self.runner.forward(batch)
             for s in seqs:
                 s.draft.computed += 1
             token = self.vocab.greedy(self.vocab.logits(hidden), drafts, process)

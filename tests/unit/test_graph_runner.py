@@ -112,3 +112,18 @@ def test_compiled_decode_step_equals_the_eager_step(tiny_checkpoint):
     torch.testing.assert_close(pools[1].kv[:, :3], pools[0].kv[:, :3], atol=1e-5, rtol=1e-5)
     assert not pools[1].kv[:, 3:num_pages - 1].any()
     assert compiled.forward(ForwardBatch([[5]] * 3, [0] * 3, [[4], [5], [6]])) is None   # > 2 rows
+
+
+def test_draft_decode_steps_replay_too(tiny_checkpoint):
+    """With graphs the draft's k - 1 decode steps per speculative step replay as well."""
+    from tandem.backends import SpeculativeConfig
+    ref = hf_greedy(str(tiny_checkpoint))
+    spec = SpeculativeConfig("draft_target", 3, draft_model=str(tiny_checkpoint))
+    llm = LLM(tiny_checkpoint, dtype="float32", speculative=spec, max_num_seqs=8)
+    graphs = CountingGraphs()
+    llm.engine.decode_graphs = llm.engine.make_decode_graphs(graphs)
+    outs = llm.generate(prompts(llm.engine.model.config.vocab_size), SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0))
+    assert [tuple(o.token_ids) for o in outs] == list(ref)
+    assert llm.engine.spec_metrics.acceptance_rate >= 0.98    # the draft is the target
+    assert llm.engine.proposer.fast_decode is not None and graphs.replays > 0
