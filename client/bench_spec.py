@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every row, interleaved (each row once per repeat); the tables "
                         "show the median and the spread")
+    p.add_argument("--compile", action="store_true",
+                   help="also plain and draft-target decoding with EngineConfig.compile (the CPU's "
+                        "compiled decode step for batches of 1 and 2): rows marked +compile")
     p.add_argument("--draft-vocab-sizes", default="",
                    help="also the draft and the MTP head over their N most frequent tokens "
                         "(FR-Spec; comma-separated sizes, e.g. 1024,2048; needs "
@@ -56,12 +59,15 @@ def bench_prompt_ids(target: Path, n: int, tokenizer) -> list[list[int]]:
 RunResult = dict   # tokens_per_s, acceptance_rate, mean_acceptance_length
 
 
-def tandem_runner(target, dtype, prompts, new_tokens, speculative=None) -> Callable[[], RunResult]:
+def tandem_runner(target, dtype, prompts, new_tokens, speculative=None,
+                  compile: bool = False) -> Callable[[], RunResult]:
     """An engine loaded and warmed up once; each call generates the batch again."""
     from tandem.backends import LLM, SamplingParams
-    llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)))
+    llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)),
+              compile=compile)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    # warm-up (with compile: the whole generation, so every page count is compiled)
+    llm.generate(prompts[:1], params if compile else SamplingParams(max_tokens=4, temperature=0.0))
 
     def run() -> RunResult:
         llm.engine.spec_metrics.reset()
@@ -129,6 +135,15 @@ def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
             spec = SpeculativeConfig(method, k, draft_vocab_size=vocab, **paths)
             rows.append((("tandem", label(method, vocab), k),
                          tandem_runner(args.target, args.dtype, prompts, args.new_tokens, spec)))
+    if args.compile:
+        rows.append((("tandem", "none+compile", 0),
+                     tandem_runner(args.target, args.dtype, prompts, args.new_tokens, compile=True)))
+        if (args.draft / "config.json").exists():
+            for k in map(int, args.ks.split(",")):
+                spec = SpeculativeConfig("draft_target", k, draft_model=str(args.draft))
+                rows.append((("tandem", "draft_target+compile", k),
+                             tandem_runner(args.target, args.dtype, prompts, args.new_tokens,
+                                           spec, compile=True)))
     if not args.no_hf:
         hf = [(("hf", "none", 0), hf_runner(args.target, args.dtype, prompts, args.new_tokens))]
         if (args.draft / "config.json").exists():
@@ -181,6 +196,11 @@ RESULT_KEYS = ("tokens_per_s", "acceptance_rate", "mean_acceptance_length")
 SPECULATIVE = ("draft_target", "mtp", "ngram")
 
 
+def base_method(method: str) -> str:
+    """``mtp/v1024`` and ``draft_target+compile`` are variants of mtp and draft_target."""
+    return method.split("/")[0].split("+")[0]
+
+
 def per_run(rows: list[dict], key: tuple) -> list[float] | None:
     r = next((r for r in rows if (r["system"], r["method"], r["k"]) == key), None)
     return None if r is None else r["tokens_per_s"]["runs"]
@@ -194,15 +214,18 @@ def ratio(a: list[float] | None, b: list[float] | None) -> dict | None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per batch size, medians over the repeats with their spread: plain against HF plain;
+    """Per batch size, medians over the repeats with their spread: the faster plain
+    (eager or compiled) against HF plain;
     the best speculative row (highest median) against plain, HF assisted generation and
     HF prompt lookup; the draft's cost per token relative to the target's."""
     out = {}
     for batch in sorted({r["batch"] for r in rows}):
         rs = [r for r in rows if r["batch"] == batch]
-        plain = per_run(rs, ("tandem", "none", 0))
-        spec = [r for r in rs if r["system"] == "tandem" and r["method"].split("/")[0] in SPECULATIVE]
-        row = {"plain_tok_s": spread(plain or [])["median"],
+        plains = [r for r in rs if r["system"] == "tandem" and base_method(r["method"]) == "none"]
+        fastest = max(plains, key=lambda r: r["tokens_per_s"]["median"], default=None)
+        plain = None if fastest is None else fastest["tokens_per_s"]["runs"]
+        spec = [r for r in rs if r["system"] == "tandem" and base_method(r["method"]) in SPECULATIVE]
+        row = {"plain": fastest and fastest["method"], "plain_tok_s": spread(plain or [])["median"],
                "plain_over_hf_plain": ratio(plain, per_run(rs, ("hf", "none", 0)))}
         if spec and plain:
             best = max(spec, key=lambda r: r["tokens_per_s"]["median"])
@@ -229,7 +252,7 @@ def plot(rows: list[dict], out: Path, report: dict) -> Path:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         rs = [r for r in rows if r["batch"] == batch]
-        methods = sorted({r["method"] for r in rs if r["method"].split("/")[0] in SPECULATIVE})
+        methods = sorted({r["method"] for r in rs if base_method(r["method"]) in SPECULATIVE})
         for method in methods:
             m = sorted((r for r in rs if r["method"] == method), key=lambda r: r["k"])
             med, err = error_bars([r["tokens_per_s"] for r in m])
