@@ -11,6 +11,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from .bench_repeats import error_bars, spread
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
 from .streaming_client import StreamingClient, closed_loop
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
     p.add_argument("--threads", type=int, default=0, help="torch threads per engine (0: half the cores)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every setting, interleaved (one server per setting and run)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -39,13 +42,14 @@ def _scrape(url: str, name: str, model: str = "decode") -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_setting(method: str, k: int, args, work: Path) -> dict:
+def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
     from .serve_options import ServeOptions
     from .triton_server import TritonServer
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
                            spec_method=method, num_speculative_tokens=k)
     row = {"method": method, "k": k if method != "none" else 0}
-    with TritonServer(options, run_dir=work / f"{method}-{k}", log_file=work / f"{method}-{k}.log",
+    name = f"{method}-{k}-{rep}"
+    with TritonServer(options, run_dir=work / name, log_file=work / f"{name}.log",
                       ready_timeout_s=600) as server:
         client = StreamingClient(server.grpc_url, "tandem")
         try:
@@ -67,18 +71,38 @@ def run_setting(method: str, k: int, args, work: Path) -> dict:
     return row
 
 
-def speedups(rows: list[dict], concurrency: list[int]) -> dict:
-    base = next(r for r in rows if r["method"] == "none")
+def aggregate(runs: list[dict], concurrency: list[int]) -> dict:
+    """One setting's runs: the median and spread of each figure."""
+    row = {"method": runs[0]["method"], "k": runs[0]["k"]}
+    for c in concurrency:
+        key = f"c{c}"
+        row[key] = {name: spread([r[key][name] for r in runs])
+                    for name in ("decode_tok_s_median", "output_tokens_per_s", "ttft_ms_p50")}
+        row[key]["errors"] = sum(r[key]["errors"] for r in runs)
+    if runs[0]["method"] != "none":
+        for name in ("mean_acceptance_length", "acceptance_rate"):
+            row[name] = spread([r.get(name) for r in runs])
+    return row
+
+
+def speedups(runs: dict[tuple, list[dict]], concurrency: list[int]) -> dict:
+    """Per concurrency: the best setting (highest median) over no speculation, the ratio
+    taken run by run (the settings of one repeat ran one after another)."""
+    base = next(v for (m, _), v in runs.items() if m == "none")
     out = {}
     for c in concurrency:
         key = f"c{c}"
-        b = base[key]["decode_tok_s_median"]
-        best = max((r for r in rows if r["method"] != "none"),
-                   key=lambda r: r[key]["decode_tok_s_median"] or 0, default=None)
-        if best is not None and b:
-            out[key] = {"plain_tok_s": b, "best": f"{best['method']} k={best['k']}",
-                        "best_tok_s": best[key]["decode_tok_s_median"],
-                        "speedup": round(best[key]["decode_tok_s_median"] / b, 2)}
+        med = {s: spread([r[key]["decode_tok_s_median"] for r in v])["median"] or 0
+               for s, v in runs.items() if s[0] != "none"}
+        if not med:
+            continue
+        best = max(med, key=med.get)
+        ratios = [r[key]["decode_tok_s_median"] / b[key]["decode_tok_s_median"]
+                  for r, b in zip(runs[best], base)
+                  if r[key]["decode_tok_s_median"] and b[key]["decode_tok_s_median"]]
+        out[key] = {"plain_tok_s": spread([b[key]["decode_tok_s_median"] for b in base])["median"],
+                    "best": f"{best[0]} k={best[1]}", "best_tok_s": med[best],
+                    "speedup": spread(ratios)}
     return out
 
 
@@ -89,10 +113,11 @@ def plot(rows: list[dict], concurrency: list[int], out: Path, report: dict) -> P
     fig, axes = plt.subplots(1, len(concurrency), figsize=(5.5 * len(concurrency), 3.8), squeeze=False)
     for ax, c in zip(axes[0], concurrency):
         key = f"c{c}"
-        base = next(r for r in rows if r["method"] == "none")[key]["decode_tok_s_median"]
+        base = next(r for r in rows if r["method"] == "none")[key]["decode_tok_s_median"]["median"]
         for method in sorted({r["method"] for r in rows} - {"none"}):
             rs = [r for r in rows if r["method"] == method]
-            ax.plot([r["k"] for r in rs], [r[key]["decode_tok_s_median"] for r in rs], "o-", label=method)
+            med, err = error_bars([r[key]["decode_tok_s_median"] for r in rs])
+            ax.errorbar([r["k"] for r in rs], med, yerr=err, fmt="o-", capsize=2, label=method)
         ax.axhline(base, color="gray", ls="--", label="no speculation")
         ax.set_xlabel("k (draft tokens per step)"); ax.set_ylabel("decode tok/s per request (median)")
         ax.set_title(f"concurrency {c}"); ax.legend()
@@ -103,11 +128,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-spec-serving-"))
     ks = [int(k) for k in args.ks.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    rows = []
-    for method in args.methods.split(","):
-        for k in ([1] if method == "none" else ks):
-            rows.append(run_setting(method, k, args, work))
-    report = {**header("spec-serving", args), "rows": rows, "speedups": speedups(rows, concurrency)}
+    settings = [(method, k if method != "none" else 0) for method in args.methods.split(",")
+                for k in ([1] if method == "none" else ks)]
+    runs: dict[tuple, list[dict]] = {s: [] for s in settings}
+    for rep in range(args.repeats):       # interleaved: every setting once per repeat
+        for method, k in settings:
+            runs[(method, k)].append(run_setting(method, max(k, 1), args, work, rep))
+    rows = [aggregate(v, concurrency) for v in runs.values()]
+    report = {**header("spec-serving", args), "rows": rows, "speedups": speedups(runs, concurrency)}
     write(report, args.out)
     print(json.dumps(report["speedups"], indent=1))
     print(f"wrote {args.out}, {plot(rows, concurrency, args.out, report)}")
