@@ -55,7 +55,7 @@ def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> di
         servers.append(prefill)
         prefill.start()
         for i in range(n):
-            d = TritonServer(ServeOptions(prefill_endpoints=prefill.grpc_url, **common),
+            d = TritonServer(ServeOptions(prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **common),
                              run_dir=work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
                              cpus=_cpus(args.decode_cpus), ready_timeout_s=600)
             servers.append(d)

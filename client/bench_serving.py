@@ -1,13 +1,18 @@
-"""Disaggregated against colocated serving on the same cores, through the real server.
+"""Colocated, disaggregated and conditional serving on the same cores, through the real
+server.
 
-For each mode a tritonserver is started (`tandem serve` as a library): colocated gives
-the one engine every core; disaggregated gives prefill and decode a core each. A
-streaming gRPC client keeps ``--background`` streams decoding and sends long prompts
-(``--long-tokens``) on a Poisson schedule, one arrival rate after another; every
-response is timestamped. Reported per mode and rate: per-request decode tokens/s,
-TTFT of the long prompts, inter-token latency p50/p90/p99 (all streams), and the TTFT
-penalty of disaggregation; plots: ITL over time for both modes at one rate, and the
-sweep. The target's weights serve with a longer context (``max_position_embeddings``
+For each mode a tritonserver is started (`tandem serve` as a library), all before the
+first measurement: colocated gives the one engine every core; disaggregated gives
+prefill and decode a core each and sends every prompt to prefill; conditional
+(``tandem serve``'s default) has the same split but prefills short prompts in decode's
+batch. A streaming gRPC client per server keeps ``--background`` streams decoding and
+sends long prompts (``--long-tokens``) on a Poisson schedule; every response is
+timestamped. Each rate is measured ``--repeats`` times, the modes taking turns (A, B,
+C, A, B, C, ...). Reported per mode and rate, as the median over the repeats with its
+min–max spread: output tokens/s, per-request decode tokens/s, TTFT of the long prompts,
+inter-token latency p50/p90/p99 (all streams); per repeat, conditional over the better
+of the other two, and its median (``ratios``); plots: ITL over time at one rate, and
+the sweep with error bars. The target's weights serve with a longer context (``max_position_embeddings``
 raised: timing, not text quality, is measured here).
 """
 from __future__ import annotations
@@ -22,13 +27,20 @@ from pathlib import Path
 import numpy as np
 
 from .bench_common import long_context_copy, prompt_texts
+from .bench_repeats import (error_bars, fmt, interleaved, ratio_to_best, start_server,
+                            summarize_runs)
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
 from .serving_workload import StreamLog, poisson_arrivals, summarize
 from .streaming_client import StreamingClient
 
 DEFAULT_OUT = Path("docs/bench/serving.json")
-MODES = {"colocated": "tandem_colocated", "disaggregated": "tandem"}
+# mode -> (the ensemble called, tandem serve --mode, --disagg-policy)
+MODES = {"colocated": ("tandem_colocated", "colocated", "conditional"),
+         "disaggregated": ("tandem", "disaggregated", "remote"),
+         "conditional": ("tandem", "disaggregated", "conditional")}
+KEYS = ["output_tok_s", "decode_tok_s_median", "decode_tok_s_p10", "ttft_ms_p50", "ttft_ms_p90",
+        "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "itl_ms_max", "errors", "requests_long"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-max-tokens", type=int, default=32)
     p.add_argument("--cores", type=int, default=2, help="cores of the machine to use")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--modes", default="colocated,disaggregated")
+    p.add_argument("--modes", default="colocated,disaggregated,conditional")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per mode and rate, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
@@ -81,76 +94,168 @@ def run_rate(client: StreamingClient, rate: float, duration: float, background: 
     return logs, (start + min(5.0, duration / 4), end)
 
 
-# -- one mode -----------------------------------------------------------------------------
-def run_mode(mode: str, args, model_dir: Path, run_dir: Path) -> dict:
+# -- the modes ---------------------------------------------------------------------------
+def options_for(mode: str, args, model_dir: Path):
+    """colocated: one engine on every core; disaggregated: prefill and decode a half each,
+    every prompt to prefill; conditional (``tandem serve``'s default): the same split,
+    short prompts prefilled by decode, which takes the prefill core while it idles."""
+    import os
+
     from .serve_options import ServeOptions
-    from .triton_server import TritonServer
+    serve_mode, policy = MODES[mode][1:]
     cores = args.cores
-    options = ServeOptions(model_dir=str(model_dir), dtype=args.dtype, mode=mode,
-                           torch_threads=cores if mode == "colocated" else max(1, cores // 2),
-                           max_num_seqs=32, max_num_batched_tokens=512)
+    if serve_mode == "colocated":
+        threads = cores
+    else:   # 0: tandem serve's own split (half each; conditional's decode borrows when idle)
+        threads = 0 if cores == os.cpu_count() else max(1, cores // 2)
+    return ServeOptions(model_dir=str(model_dir), dtype=args.dtype, mode=serve_mode,
+                        torch_threads=threads, disagg_policy=policy, max_num_seqs=32,
+                        max_num_batched_tokens=512)
+
+
+def output_tok_s(logs: list[StreamLog], window: tuple[float, float]) -> float:
+    """Tokens streamed inside the window, all streams, per second."""
+    lo, hi = window
+    n = sum(k for log in logs for t, k in log.events if lo <= t <= hi)
+    return round(n / (hi - lo), 1) if hi > lo else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    from contextlib import ExitStack
+
     lo, hi = (int(x) for x in args.long_tokens.split(","))
-    rng = np.random.default_rng(args.seed)
-    lengths = [int(x) for x in rng.integers(lo, hi + 1, size=16)]
-    longs = list(zip(prompt_texts(model_dir, lengths), lengths))
-    background = prompt_texts(model_dir, [48, 64, 80, 96])
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
+    modes = args.modes.split(",")
     rates = [float(x) for x in args.rates.split(",")]
-    result = {"mode": mode, "model": MODES[mode], "torch_threads": options.torch_threads,
-              "rates": {}, "timeline": {}}
-    with TritonServer(options, run_dir=run_dir / mode, log_file=run_dir / f"{mode}.log",
-                      ready_timeout_s=600) as server:
-        client = StreamingClient(server.grpc_url, MODES[mode])
-        try:
-            # warm-up: one long prompt and the background streams, not measured
-            run_rate(client, 0.0, 5.0, background, 16, longs, 4, args.seed)
-            for j, rate in enumerate(rates):
+    try:
+        model_dir = long_context_copy(args.model, work / "model", hi + 2 * args.long_max_tokens + 64)
+        rng = np.random.default_rng(args.seed)
+        lengths = [int(x) for x in rng.integers(lo, hi + 1, size=16)]
+        longs = list(zip(prompt_texts(model_dir, lengths), lengths))
+        background = prompt_texts(model_dir, [48, 64, 80, 96])
+        with ExitStack() as stack:
+            clients, threads = {}, {}
+            for mode in modes:
+                print(f"{mode}: starting tritonserver", flush=True)
+                options = options_for(mode, args, model_dir)
+                server = start_server(stack, options, work / mode, work / f"{mode}.log")
+                clients[mode] = StreamingClient(server.grpc_url, MODES[mode][0])
+                stack.callback(clients[mode].close)
+                threads[mode] = options.torch_threads
+            for mode in modes:   # warm-up: one long prompt and the background streams, not measured
+                run_rate(clients[mode], 0.0, 5.0, background, 16, longs, 4, args.seed)
+            timeline: dict[str, dict] = {m: {} for m in modes}
+
+            def measure(mode, rate, rep):
+                client = clients[mode]
                 errors_before = len(client.errors)
                 logs, window = run_rate(client, rate, args.duration, background,
                                         args.background_tokens, longs, args.long_max_tokens,
-                                        args.seed + j)
+                                        args.seed + rates.index(rate))
                 stats = summarize(logs, window)
                 stats["errors"] += len(client.errors) - errors_before
-                result["rates"][str(rate)] = stats
-                t0 = window[0]
-                result["timeline"][str(rate)] = [
-                    (round(t - t0, 4), round(g * 1000, 3)) for log in logs
-                    for t, g in log.gaps() if window[0] <= t <= window[1]]
-                print(f"  {mode:14s} rate {rate:4.2f}/s  " + "  ".join(
+                stats["output_tok_s"] = output_tok_s(logs, window)
+                if rep == 0:
+                    t0 = window[0]
+                    timeline[mode][str(rate)] = [
+                        (round(t - t0, 4), round(g * 1000, 3)) for log in logs
+                        for t, g in log.gaps() if window[0] <= t <= window[1]]
+                print(f"  {mode:14s} rate {rate:4.2f}/s run {rep + 1}  " + "  ".join(
                     f"{k}={v}" for k, v in stats.items()), flush=True)
-        finally:
-            client.close()
-    return result
+                return stats
+
+            runs = interleaved(rates, modes, args.repeats, measure)
+        results = {m: {"mode": m, "model": MODES[m][0], "torch_threads": threads[m],
+                       "rates": {str(r): summarize_runs(runs[m][r], KEYS) for r in rates},
+                       "timeline": timeline[m]} for m in modes}
+        report = {
+            **header("serving", args),
+            "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
+                         "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
+            "repeats": args.repeats, "results": results,
+            "ratios": ratios(runs, rates), "comparison": compare(results),
+        }
+        write(report, args.out)
+        paths = plot(results, args.out, report)
+        print(table(report))
+        print(json.dumps(report["comparison"], indent=1))
+        print(f"wrote {args.out}, " + ", ".join(str(p) for p in paths))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 # -- report -------------------------------------------------------------------------------
-def compare(results: dict) -> dict:
-    """The issue's ratios: at the first rate where colocated ITL p99 exceeds 3x its idle
-    value, disaggregated decode tok/s over colocated and disaggregated ITL p99 over its
-    own idle value; the TTFT penalty at the lowest non-zero rate."""
-    co, dis = results.get("colocated"), results.get("disaggregated")
-    if not co or not dis:
+def ratios(runs: dict, rates: list[float]) -> dict:
+    """Per rate, conditional over the better of colocated and disaggregated, per repeat."""
+    if not {"conditional", "colocated", "disaggregated"} <= set(runs):
         return {}
-    rates = sorted(co["rates"], key=float)
-    idle_co, idle_dis = co["rates"][rates[0]]["itl_ms_p99"], dis["rates"][rates[0]]["itl_ms_p99"]
+    out = {}
+    for r in rates:
+        def of(key):
+            return {m: [x[key] for x in runs[m][r]] for m in runs}
+        out[str(r)] = {"output_tok_s": ratio_to_best(of("output_tok_s"), True),
+                       "decode_tok_s": ratio_to_best(of("decode_tok_s_median"), True),
+                       "itl_ms_p99": ratio_to_best(of("itl_ms_p99"), False)}
+    return out
+
+
+def _median(results: dict, mode: str, rate: str, key: str):
+    return results[mode]["rates"][rate][key]["median"]
+
+
+def compare(results: dict) -> dict:
+    """The earlier issue's ratios, on the medians: at the first rate where colocated ITL
+    p99 exceeds 3x its idle value, disaggregated decode tok/s over colocated and
+    disaggregated ITL p99 over its own idle value; the TTFT penalty at the lowest
+    non-zero rate."""
+    if "colocated" not in results or "disaggregated" not in results:
+        return {}
+    rates = sorted(results["colocated"]["rates"], key=float)
+
+    def m(mode, rate, key):
+        return _median(results, mode, rate, key)
+    idle_co, idle_dis = m("colocated", rates[0], "itl_ms_p99"), m("disaggregated", rates[0], "itl_ms_p99")
     out = {"idle_itl_p99_ms": {"colocated": idle_co, "disaggregated": idle_dis}}
-    stall = next((r for r in rates[1:] if co["rates"][r]["itl_ms_p99"] and idle_co
-                  and co["rates"][r]["itl_ms_p99"] > 3 * idle_co), None)
+    stall = next((r for r in rates[1:] if m("colocated", r, "itl_ms_p99") and idle_co
+                  and m("colocated", r, "itl_ms_p99") > 3 * idle_co), None)
     out["stall_rate"] = stall
     if stall is not None:
-        c, d = co["rates"][stall], dis["rates"][stall]
-        out["decode_speedup_at_stall_rate"] = _ratio(d["decode_tok_s_median"], c["decode_tok_s_median"])
-        out["disagg_itl_p99_over_idle_at_stall_rate"] = _ratio(d["itl_ms_p99"], idle_dis)
+        out["decode_speedup_at_stall_rate"] = _ratio(m("disaggregated", stall, "decode_tok_s_median"),
+                                                     m("colocated", stall, "decode_tok_s_median"))
+        out["disagg_itl_p99_over_idle_at_stall_rate"] = _ratio(m("disaggregated", stall, "itl_ms_p99"),
+                                                               idle_dis)
     low = next((r for r in rates if float(r) > 0), None)
     if low is not None:
-        c, d = co["rates"][low], dis["rates"][low]
-        if c["ttft_ms_p50"] and d["ttft_ms_p50"]:
-            out["ttft_penalty_ms"] = round(d["ttft_ms_p50"] - c["ttft_ms_p50"], 2)
-            out["ttft_penalty_over_colocated_ttft"] = _ratio(out["ttft_penalty_ms"], c["ttft_ms_p50"])
+        c, d = m("colocated", low, "ttft_ms_p50"), m("disaggregated", low, "ttft_ms_p50")
+        if c and d:
+            out["ttft_penalty_ms"] = round(d - c, 2)
+            out["ttft_penalty_over_colocated_ttft"] = _ratio(out["ttft_penalty_ms"], c)
     return out
 
 
 def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
+
+
+def table(report: dict) -> str:
+    results = report["results"]
+    rates = sorted(next(iter(results.values()))["rates"], key=float)
+    lines = ["| long prompts/s | mode | output tok/s | decode tok/s per request | TTFT p50 ms | "
+             "ITL p50 ms | ITL p99 ms |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rates:
+        for mode, res in results.items():
+            s = res["rates"][r]
+            lines.append(f"| {r} | {mode} | {fmt(s['output_tok_s'])} | {fmt(s['decode_tok_s_median'])} | "
+                         f"{fmt(s['ttft_ms_p50'], 0)} | {fmt(s['itl_ms_p50'])} | {fmt(s['itl_ms_p99'])} |")
+    if report["ratios"]:
+        lines += ["", "| long prompts/s | conditional / better: output tok/s | decode tok/s | ITL p99 |",
+                  "|---:|---:|---:|---:|"]
+        for r, x in report["ratios"].items():
+            lines.append(f"| {r} | {fmt(x['output_tok_s'], 3)} | {fmt(x['decode_tok_s'], 3)} | "
+                         f"{fmt(x['itl_ms_p99'], 3)} |")
+    return "\n".join(lines)
 
 
 def plot(results: dict, out: Path, report: dict) -> list[Path]:
@@ -169,41 +274,21 @@ def plot(results: dict, out: Path, report: dict) -> list[Path]:
             ax.scatter(t, g, s=3)
         ax.set_yscale("log")
         ax.set_ylabel("ITL (ms)")
-        ax.set_title(f"{mode}: inter-token latency over time, {show} long prompts/s")
+        ax.set_title(f"{mode}: inter-token latency over time, {show} long prompts/s (run 1)")
     axes[-1, 0].set_xlabel("seconds")
     paths.append(save_figure(fig, out.with_name(out.stem + "_itl_timeline.png"), report))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.9))
+    xs = [float(x) for x in rates]
     for mode, r in results.items():
-        xs = [float(x) for x in rates]
-        a1.plot(xs, [r["rates"][x]["decode_tok_s_median"] for x in rates], "o-", label=mode)
-        a2.plot(xs, [r["rates"][x]["itl_ms_p99"] for x in rates], "o-", label=mode)
-    a1.set_xlabel("long prompts / s"); a1.set_ylabel("decode tok/s per request (median)")
-    a2.set_xlabel("long prompts / s"); a2.set_ylabel("ITL p99 (ms)"); a2.set_yscale("log")
-    a1.legend(); a2.legend()
+        for ax, key, label in zip(axes, ("decode_tok_s_median", "output_tok_s", "itl_ms_p99"),
+                                  ("decode tok/s per request (median)", "output tok/s (all streams)",
+                                   "ITL p99 (ms)")):
+            med, yerr = error_bars([r["rates"][x][key] for x in rates])
+            ax.errorbar(xs, med, yerr=yerr, fmt="o-", capsize=3, label=mode)
+            ax.set_xlabel("long prompts / s")
+            ax.set_ylabel(label)
+    axes[2].set_yscale("log")
+    axes[0].legend()
+    fig.suptitle(f"median of {report['repeats']} interleaved runs; bars: min–max", fontsize=9)
     paths.append(save_figure(fig, out.with_name(out.stem + "_sweep.png"), report))
     return paths
-
-
-def run(args: argparse.Namespace) -> int:
-    import tempfile
-    lo, hi = (int(x) for x in args.long_tokens.split(","))
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
-    try:
-        model_dir = long_context_copy(args.model, work / "model", hi + 2 * args.long_max_tokens + 64)
-        results = {}
-        for mode in args.modes.split(","):
-            print(f"{mode}: starting tritonserver", flush=True)
-            results[mode] = run_mode(mode, args, model_dir, work)
-        report = {
-            **header("serving", args),
-            "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
-                         "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
-            "results": results, "comparison": compare(results),
-        }
-        write(report, args.out)
-        paths = plot(results, args.out, report)
-        print(json.dumps(report["comparison"], indent=1))
-        print(f"wrote {args.out}, " + ", ".join(str(p) for p in paths))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0

@@ -196,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
     run_dir = Path(tempfile.mkdtemp(prefix="tandem-soak-"))   # the server's repository and log
-    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults)
+    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
+                           disagg_policy="remote")   # the transfer path under faults
     from tandem.backends import LLM, SamplingParams
     probe_want = LLM(args.model_dir).generate(PROBE[0], SamplingParams(max_tokens=PROBE[1],
                                                                        temperature=0.0))[0].text

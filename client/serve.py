@@ -17,19 +17,28 @@ from tandem.backends.kv_cache.pages import KV_LAYOUTS
 from tandem.backends.models.config import DTYPES
 from tandem.backends.speculative.config import METHODS, NO_SPECULATION
 
+from . import env_defaults
 from .serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
 from .openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from .openai.frontend import FrontendError, start_for
 from .triton_server import TritonServer
 
+# below Kubernetes' default grace period (30 s) with room for the server's own stop
+DRAIN_TIMEOUT_S = 20.0
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults = ServeOptions()
-    p = subparsers.add_parser("serve", help="start tritonserver with Tandem's models",
-                              description="Start tritonserver with Tandem's model repository and wait for Ctrl-C.")
+    # every option defaults to $TANDEM_<OPTION> when that is set (env_defaults; containers)
+    p = env_defaults.use(subparsers.add_parser(
+        "serve", help="start tritonserver with Tandem's models",
+        description="Start tritonserver with Tandem's model repository and wait for Ctrl-C (stop at once) "
+                    "or SIGTERM (drain, then stop). Every option defaults to the environment variable "
+                    "TANDEM_<OPTION> when that is set (--grpc-port: TANDEM_GRPC_PORT; a flag: 1 or 0); "
+                    "the command line wins."))
     p.add_argument("--model", dest="model_dir", help="HF checkpoint directory (default: checkpoints/demo/target "
                    "if trained, else an untrained demo checkpoint in .cache/demo-untrained)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -59,6 +68,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-endpoints", default=defaults.prefill_endpoints,
                    help="host:port,... gRPC endpoints of prefill servers (`tandem serve --mode "
                         "prefill`) that this decode server sends its prefills to (default: its own)")
+    p.add_argument("--disagg-policy", default=defaults.disagg_policy, metavar="POLICY",
+                   help="where a disaggregated server prefills each prompt: conditional (default: short "
+                        "prompts, or all while the prefill side is busy, in decode's own batch; long ones "
+                        "on the prefill side), remote (always the prefill side), local (always decode); "
+                        "thresholds as conditional:local_prompt_tokens=256,max_prefill_wait_ms=1000,"
+                        "prefill_tokens_per_s=5000,max_local_prefill_tokens=2048")
+    p.add_argument("--kv-interface", default=defaults.kv_interface, metavar="IFACE[,IFACE...]",
+                   help="network devices the KV cache travels on between prefill and decode servers "
+                        "(UCX_NET_DEVICES of the KV transfer): an interface (eth0), an RDMA port "
+                        "(mlx5_0:1; needs a UCX built with verbs: the wheel's has none, so set "
+                        "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to load the system's), comma separated, "
+                        "or all (default: lo, i.e. one host only)")
+    p.add_argument("--kv-transports", default=defaults.kv_transports, metavar="TLS",
+                   help="UCX transports the KV transfer may use (UCX_TLS), e.g. tcp: TCP only, no "
+                        "shared memory or CMA even where UCX sees one host (network namespaces, "
+                        "containers); rc,ud,sm with RDMA (default: UCX's choice)")
     p.add_argument("--mode", choices=tuple(MODES), default=defaults.mode,
                    help="disaggregated (default): the ensembles tandem and tandem_tokens (preprocess, "
                         "kv_transfer, prefill, decode and postprocess in their own processes); colocated: "
@@ -78,10 +103,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fault injection for tests and benchmarks, passed to the models (config "
                         "parameter `faults`, env TANDEM_FAULTS), e.g. 'transfer_fail=0.05@mid_layers,"
                         "seed=1'; format: rdma/faults.py (default: off)")
+    p.add_argument("--tritonserver", default="", metavar="PATH",
+                   help="the tritonserver (2.51) binary to run, e.g. /opt/tritonserver/bin/tritonserver in "
+                        "NVIDIA's Triton container (default: the one in the nvidia-pytriton wheel)")
     p.add_argument("--run-dir", type=Path, help="where the rendered repository and backend go (default: a temp dir)")
     p.add_argument("--log-file", type=Path, help="write tritonserver's log here instead of the terminal")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness (default: 300)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on SIGTERM: not ready and no new requests at once, then at most this many seconds "
+                        "for the streams in flight to finish before the server stops (default: %(default)s; "
+                        "the server's own stop takes up to 15 s more: keep the sum below the orchestrator's "
+                        "grace period, e.g. Kubernetes' terminationGracePeriodSeconds). Ctrl-C stops at once")
     p.set_defaults(func=run)
 
 
@@ -91,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_pages < 0 or args.threads < 0:
         raise SystemExit("--num-pages and --threads must be >= 0 (0 = automatic)")
+    if args.drain_timeout < 0:
+        raise SystemExit("--drain-timeout must be >= 0 (0 = stop at once)")
     options = ServeOptions(
         model_dir=args.model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
@@ -98,17 +133,22 @@ def run(args: argparse.Namespace) -> int:
         spec_method=args.spec_method, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
         prefill_endpoints=args.prefill_endpoints, faults=args.faults, ensemble_name=args.ensemble_name,
+        disagg_policy=args.disagg_policy, kv_interface=args.kv_interface,
+        kv_transports=args.kv_transports,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,
                           log_verbose=args.log_verbose, ready_timeout_s=args.ready_timeout,
-                          model_control_mode=args.model_control_mode, supervise=args.supervise)
-    stop = threading.Event()
+                          model_control_mode=args.model_control_mode, supervise=args.supervise,
+                          tritonserver=args.tritonserver)
+    stop, hurry = threading.Event(), threading.Event()
     phase = ["starting"]
 
     def on_signal(signum, _frame):
         if phase[0] == "starting":
             raise KeyboardInterrupt  # unwind out of start(); finally stops the server
+        if signum == signal.SIGINT or stop.is_set():
+            hurry.set()   # Ctrl-C, or a second signal while draining: stop now
         stop.set()  # serving: leave the wait loop; while stopping: already on the way out
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -139,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"tandem: {server.failure()}", file=sys.stderr)
                 return 1
             stop.wait(0.5)
+        if not hurry.is_set() and args.drain_timeout > 0:   # SIGTERM: an orchestrator's stop
+            phase[0] = "draining"
+            print(f"tandem: draining: not ready, new requests refused; at most {args.drain_timeout:g} s "
+                  "for the streams in flight", flush=True)
+            drained = server.drain(args.drain_timeout, abort=hurry)
+            print("tandem: drained" if drained else "tandem: streams still in flight; they are cut", flush=True)
         print("tandem: shutting down", flush=True)
         return 0
     except (ServerError, FrontendError) as exc:

@@ -72,6 +72,13 @@ class ServeOptions:
     prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
     faults: str = ""                      # fault injection (tests, benchmarks; format: tandem.rdma.faults); "" = off
     ensemble_name: str = ""               # also serve the mode's text ensemble under this name ("" = no)
+    # where each prompt is prefilled in a disaggregated server (tandem.backends.disagg.routing):
+    # conditional[:threshold=value,...] (per request) | remote (always the prefill side) | local
+    disagg_policy: str = "conditional"
+    # the KV transfer's UCX network devices ("": lo; "all": UCX's choice) and transports
+    # (UCX_TLS; "": UCX's choice), see kv_interface_problem
+    kv_interface: str = ""
+    kv_transports: str = ""
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -111,17 +118,68 @@ class ServeOptions:
         return tuple(m for m in self.models if m in ENSEMBLES or m in self.aliases)
 
     def template_values(self) -> dict[str, str]:
+        self._check_disagg_policy()
+        problem = kv_interface_problem(self.kv_interface, self.kv_transports)
+        if problem:
+            raise ServerError(problem)
         if any(c in self.faults for c in '"\\\n'):
             raise ServerError(f"--faults {self.faults!r}: quotes, backslashes and line breaks are not allowed")
         values = {k: str(v) for k, v in asdict(self).items()}
+        values["decode_idle_threads"] = "0"
         if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
             # prefill and decode run side by side: a half of the cores each, not all twice
             values["torch_threads"] = str(max(1, (os.cpu_count() or 2) // 2))
+            if not self.prefill_endpoints and not self.disagg_policy.startswith("remote"):
+                # decode prefills too: it takes the prefill process's cores while they idle
+                values["decode_idle_threads"] = str(os.cpu_count() or 2)
         values["model_dir"] = str(Path(self.model_dir).resolve())
         for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
             path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
             values[key] = str(Path(path).resolve()) if path else ""
         return values
 
+    def _check_disagg_policy(self) -> None:
+        from tandem.backends.disagg.routing import RoutingPolicy
+        try:
+            RoutingPolicy.parse(self.disagg_policy)
+        except ValueError as e:
+            raise ServerError(str(e).replace("disagg_policy", "--disagg-policy", 1)) from None
+
     def _uses(self, key: str) -> bool:
         return (self.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
+
+
+_UCX_NAMES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+_UCX_TLS = re.compile(r"\^?[A-Za-z0-9_:-]+(,[A-Za-z0-9_:-]+)*")
+
+
+def kv_interface_problem(interface: str, transports: str = "",
+                         sys_class: Path = Path("/sys/class")) -> str:
+    """What is wrong with ``--kv-interface`` / ``--kv-transports`` ("" if nothing).
+
+    The interface is UCX's ``UCX_NET_DEVICES`` for the KV transfer: network interfaces
+    (``eth0``) or RDMA ports (``mlx5_0:1``) of this host's network namespace, comma
+    separated, or ``all``; each must exist here. The transports are ``UCX_TLS``
+    (``tcp``, ``rc,ud,sm``, ``^cma``).
+
+    >>> kv_interface_problem("lo"), kv_interface_problem("all", "tcp")
+    ('', '')
+    >>> kv_interface_problem("eth0;rm")
+    "--kv-interface 'eth0;rm': allowed: network interfaces or RDMA ports (eth0, mlx5_0:1), comma separated, or all"
+    """
+    names = interface.strip()
+    if names and names != "all":
+        if not _UCX_NAMES.fullmatch(names):
+            return (f"--kv-interface {interface!r}: allowed: network interfaces or RDMA ports "
+                    "(eth0, mlx5_0:1), comma separated, or all")
+        for name in names.split(","):
+            dev = name.split(":")[0]
+            if not ((sys_class / "net" / dev).exists() or (sys_class / "infiniband" / dev).exists()):
+                have = sorted(p.name for p in (sys_class / "net").iterdir()) if (sys_class / "net").is_dir() else []
+                return (f"--kv-interface {interface!r}: no interface {dev!r} on this host (its network "
+                        f"interfaces: {', '.join(have) or 'none'}; RDMA ports are named like mlx5_0:1)")
+    tls = transports.strip()
+    if tls and tls != "all" and not _UCX_TLS.fullmatch(tls):
+        return (f"--kv-transports {transports!r}: allowed: UCX transport names, comma separated "
+                "(UCX_TLS: tcp, rc,ud,sm, ^cma), or all")
+    return ""

@@ -123,6 +123,7 @@ class Supervisor:
     _recoveries: list = field(default_factory=list, init=False)
     _recovering: bool = field(default=False, init=False)
     _failed: str = field(default="", init=False)
+    _paused: bool = field(default=False, init=False)   # draining: models go on purpose
     _last_scan: float = field(default=0.0, init=False)
     _log_offset: int = field(default=0, init=False)
 
@@ -138,6 +139,10 @@ class Supervisor:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def pause(self) -> None:
+        """Watch no more, but keep the thread (a server it relaunched dies with it)."""
+        self._paused = True
 
     def join(self, timeout_s: float | None = None) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -169,7 +174,7 @@ class Supervisor:
         # signal (PR_SET_PDEATHSIG, process_group.die_with_parent) fires when the thread
         # that started it exits. So it idles after giving up, until stop().
         while not self._stop.wait(self.poll_s):
-            if self._failed:
+            if self._failed or self._paused:
                 continue
             try:
                 self._tick()

@@ -64,12 +64,26 @@ def _require(path: Path, what: str) -> Path:
     return path
 
 
-def find_triton(python_version: str | None = None) -> TritonLayout:
-    """Find tritonserver, the Python backend and the stub for this interpreter."""
+def find_triton(python_version: str | None = None, server_bin: str | Path | None = None) -> TritonLayout:
+    """Find tritonserver, the Python backend and the stub for this interpreter.
+
+    ``server_bin`` is another tritonserver 2.51 than the wheel's, e.g. the NGC container's
+    ``/opt/tritonserver/bin/tritonserver`` (``tandem serve --tritonserver``): its Python
+    backend (``../backends/python``) is used when it has one; the stub is still the
+    wheel's, built for this interpreter (the container's is for the system Python).
+    """
     version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     dist = _pytriton_root() / "tritonserver"
-    server_bin = _require(dist / "bin" / "tritonserver", "tritonserver binary")
     python_backend = dist / "backends" / "python"
+    if server_bin:
+        server_bin = Path(server_bin)
+        if not (server_bin.is_file() and os.access(server_bin, os.X_OK)):
+            raise TritonNotFound(f"--tritonserver {server_bin}: not an executable file")
+        own_backend = server_bin.resolve().parent.parent / "backends" / "python"
+        if (own_backend / BACKEND_LIB).exists():
+            python_backend = own_backend
+    else:
+        server_bin = _require(dist / "bin" / "tritonserver", "tritonserver binary")
     _require(python_backend / BACKEND_LIB, "Python backend library")
     stubs = dist / "python_backend_stubs"
     stub = stubs / version / STUB_NAME

@@ -28,6 +28,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,7 @@ from .repository import render_repository
 from .serve_options import ServeOptions, ServerError
 from .stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
 from .supervisor import Supervisor
-from .triton_env import find_triton, prepare_backend_dir, server_env
+from .triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
 from .triton_http import TritonHTTP, http_ok
 
 log = logging.getLogger("tandem.serve")
@@ -48,12 +50,29 @@ FAULTS_ENV = "TANDEM_FAULTS"
 # tandem.backends.disagg.server_pool_name)
 _STUB_REGION = re.compile(r"tandem_(\d+)_[0-9a-f]{8}_")
 _POOL_FILE = re.compile(r"tandem-kv-(\d+)-")
+_IN_ENGINE = re.compile(r"^tandem_requests_in_engine\{[^}]*\} (\S+)$", re.MULTILINE)
+# a drain ends once the engines have held no request this long (a request admitted just
+# before the drain reaches its engine within milliseconds)
+DRAIN_QUIET_S = 1.0
+# the model a draining server fails to load: it keeps the server not ready (drain())
+DRAINING_MODEL = "draining"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def requests_in_engine(metrics_url: str) -> float | None:
+    """Requests the engine models (``llm``, ``decode``) hold, from their
+    ``tandem_requests_in_engine`` gauges; None when the metrics cannot be read."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as r:
+            text = r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+    return sum(float(m.group(1)) for m in _IN_ENGINE.finditer(text))
 
 
 @dataclass(slots=True)
@@ -80,6 +99,7 @@ class TritonServer:
     model_control_mode: str = "explicit"
     supervise: bool = True                # watch the stubs and the server; recover (supervisor.py)
     exit_timeout_s: int = 10
+    tritonserver: str = ""                # the binary; "": the nvidia-pytriton wheel's (triton_env)
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -131,7 +151,10 @@ class TritonServer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         remove_orphan_segments()
 
-        layout = find_triton()
+        try:
+            layout = find_triton(server_bin=self.tritonserver or None)
+        except TritonNotFound as exc:
+            raise ServerError(str(exc)) from None
         backend_dir = prepare_backend_dir(layout, self.run_dir)
         repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
                                  models=self.options.models, aliases=self.options.aliases)
@@ -212,6 +235,60 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         return self.process is not None and self.process.poll() is None and self.http.server_ready()
+
+    def drain(self, timeout_s: float, abort: threading.Event | None = None) -> bool:
+        """Stop admitting requests and let the ones in flight finish (``tandem serve`` on
+        SIGTERM; :meth:`stop` follows). True once nothing is in flight, False when
+        ``timeout_s`` passed first or ``abort`` was set.
+
+        It unloads the models clients call (the ensembles; ``prefill`` on a prefill server):
+        Triton refuses new requests to them, while the models beneath keep serving the
+        streams already admitted. (Triton's own shutdown on SIGTERM would not do: its models
+        stop taking requests, the ensembles' own steps included, so every open stream
+        stalls.) Nothing is in flight once those models are unloaded (their streams ended
+        and closed), or once the engines have held no request for :data:`DRAIN_QUIET_S`: a
+        client that keeps an idle gRPC stream open keeps its ensemble loaded.
+
+        Readiness goes false first, and stays so: Triton's strict readiness counts an
+        unloaded model as fine but not one that failed to load, so a model
+        :data:`DRAINING_MODEL` that cannot load is loaded.
+        """
+        if self.supervisor is not None:
+            self.supervisor.pause()    # an unload is no death to recover from
+        if self.model_control_mode != "explicit":
+            log.warning("draining needs --model-control-mode explicit (the repository API); stopping at once")
+            return False
+        marker = self._launch_args[2] / DRAINING_MODEL
+        (marker / "1").mkdir(parents=True, exist_ok=True)
+        (marker / "config.pbtxt").write_text(f'name: "{DRAINING_MODEL}"\nbackend: "{DRAINING_MODEL}"\n')
+        try:
+            self.http.load(DRAINING_MODEL, timeout_s=10)
+        except ServerError:
+            pass   # it fails, as it should: "unable to find backend library for backend 'draining'"
+        entry = self.options.ensembles or self.options.models
+        for model in entry:
+            try:
+                self.http.unload(model)
+            except ServerError as exc:
+                log.warning("draining: %s", exc)
+        deadline, quiet_since = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
+            if self.process is None or self.process.poll() is not None:
+                return False
+            try:
+                if all(self.http.index().get(m, ("",))[0] != "UNLOADING" for m in entry):
+                    return True
+            except ServerError:
+                pass
+            now = time.monotonic()
+            if requests_in_engine(self.metrics_url) != 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= DRAIN_QUIET_S:
+                return True
+            time.sleep(0.1)
+        return False
 
     def failure(self) -> str:
         """Why this server can serve no more ("" while it can, or is being recovered)."""

@@ -68,6 +68,7 @@ class ReceiverConfig:
     # abandoned and its pages freed (a dead sender's are given up at once)
     drain_timeout_s: float = 10.0
     net_devices: str | None = None   # UCX network devices (transport.ucx_config); None: lo
+    transports: str | None = None    # UCX transports (transport.ucx_config); None: UCX's choice
     faults: Faults | None = None     # fault injection (tests, benchmarks)
 
 
@@ -174,7 +175,7 @@ class KVReceiver(Messenger):
         self._lock = threading.Lock()
         self._closing = False
         self._next_housekeeping = 0.0
-        self._open(name, self.config.net_devices)
+        self._open(name, self.config.net_devices, self.config.transports)
 
     # -- any thread ----------------------------------------------------------------------
     def reserve(self, num_tokens: int, src: ShardScheme = ShardScheme(1),

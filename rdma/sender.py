@@ -53,6 +53,7 @@ class SenderConfig:
     timeout_s: float = 15.0
     connect_timeout_s: float = 5.0
     net_devices: str | None = None   # UCX network devices (transport.ucx_config); None: lo
+    transports: str | None = None    # UCX transports (transport.ucx_config); None: UCX's choice
     faults: Faults | None = None     # fault injection (tests, benchmarks)
 
 
@@ -154,7 +155,7 @@ class KVSender(Messenger):
         self._faults = self.config.faults
         self.stats = {"transfers": 0, "failed": 0, "ops": 0, "bytes": 0, "staged_ops": 0,
                       "refused": 0, "aborted": 0, "dropped": 0}
-        self._open(name, self.config.net_devices)
+        self._open(name, self.config.net_devices, self.config.transports)
 
     # -- any thread ----------------------------------------------------------------------
     def check(self, desc: DestinationDescriptor, context_nbytes: tuple[int, ...] | None = None

@@ -361,6 +361,12 @@ class SharedKVPool:
     def num_free(self) -> int:
         return self._pages.num_free
 
+    def backlog(self) -> tuple[int, int]:
+        """``(reservations, pages)`` still RESERVED: KV the prefill side has yet to
+        deliver. Read without the lock: a hint (for routing), not a decision."""
+        reserved = self._ctl.slot_state == RESERVED
+        return int(reserved.sum()), int(self._ctl.slot_pages[reserved].sum())
+
     def stats(self) -> PoolStats:
         with self._locked():
             free, reserved = self._pages.num_free, self._pages.num_reserved()

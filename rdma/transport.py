@@ -20,7 +20,9 @@ must never be created between the same two workers.
 Which network interfaces the worker listens on is :func:`ucx_config`'s
 ``net_devices``: loopback (``lo``) by default, so a single-host server exposes no
 UCX port; multi-host serving names its interfaces (``eth0``, ``mlx5_0:1``) or
-``all``.
+``all`` (``tandem serve --kv-interface``). ``transports`` restricts UCX's transports
+(``tcp``: no shared memory or CMA even between processes UCX sees on one host, e.g.
+servers in separate network namespaces; ``tandem serve --kv-transports``).
 
 >>> t = Transport("doc")
 >>> t.call(lambda: len(t.address) > 0)
@@ -48,17 +50,25 @@ Done = Callable[[Exception | None], None]
 DEFAULT_NET_DEVICES = "lo"
 
 
-def ucx_config(net_devices: str | None = None) -> dict:
+def ucx_config(net_devices: str | None = None, transports: str | None = None) -> dict:
     """UCX context settings for a transport: ``net_devices`` (comma-separated UCX
     device names, ``all`` for UCX's own choice, None or "" for the default ``lo``)
-    restricts the network devices UCX listens and connects on. Shared-memory
-    transports are not network devices and stay available on one host.
+    restricts the network devices UCX listens and connects on (``UCX_NET_DEVICES``).
+    Shared-memory transports are not network devices and stay available on one host
+    unless ``transports`` (``UCX_TLS``: ``tcp``, ``rc,ud,sm``, ``^cma``; None, "" or
+    ``all``: UCX's choice) leaves them out.
 
     >>> ucx_config(), ucx_config("all"), ucx_config("eth0,lo")
     ({'NET_DEVICES': 'lo'}, {}, {'NET_DEVICES': 'eth0,lo'})
+    >>> ucx_config("veth0", "tcp")
+    {'NET_DEVICES': 'veth0', 'TLS': 'tcp'}
     """
     devices = (net_devices or DEFAULT_NET_DEVICES).strip()
-    return {} if devices == "all" else {"NET_DEVICES": devices}
+    config = {} if devices == "all" else {"NET_DEVICES": devices}
+    tls = (transports or "").strip()
+    if tls and tls != "all":
+        config["TLS"] = tls
+    return config
 
 
 class TransportClosed(RuntimeError):
@@ -348,9 +358,10 @@ class Messenger:
 
     _transport: Transport
 
-    def _open(self, name: str, net_devices: str | None = None) -> None:
+    def _open(self, name: str, net_devices: str | None = None,
+              transports: str | None = None) -> None:
         self._transport = Transport(name, on_message=self._on_message, on_tick=self._on_tick,
-                                    ucx_config=ucx_config(net_devices))
+                                    ucx_config=ucx_config(net_devices, transports))
 
     @property
     def address(self) -> bytes:

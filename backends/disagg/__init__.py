@@ -6,6 +6,8 @@ transfer (:mod:`tandem.rdma`), with no Triton in it. Names load on first use.
 - :mod:`.decode` — the decode engine on the shared pool; tickets over reservations;
   the pool's housekeeping in decode
 - :mod:`.kv_views` — engine page pools over the shared pool, and as a sender's sources
+- :mod:`.routing` — conditional disaggregation: where each prompt is prefilled (pure)
+- :mod:`.decode_load` — decode's load for that decision, and its threads while prefill idles
 """
 from ..lazy import lazy_exports
 

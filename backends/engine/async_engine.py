@@ -43,6 +43,9 @@ class AsyncEngine:
         self._inbox = Inbox()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._lock = threading.Lock()   # guards make_sequence's request-id counter
+        # called on the engine thread before and after every step (the decode model
+        # publishes its load and sets its threads there); it must not raise
+        self.step_hook: Callable[[], None] | None = None
 
     @property
     def tokenizer(self):
@@ -157,11 +160,20 @@ class AsyncEngine:
                 self._deliver(deliveries)
                 return
             self._deliver(deliveries)
+            self._run_step_hook()
             # one request's failure ends that request inside step(); an exception out
             # of it is the step itself (scheduling, pages): the loop stops (see _loop)
             outputs = self.engine.step()
+            self._run_step_hook()
             self._deliver([(self._callbacks.pop(out.request_id) if out.finished
                             else self._callbacks[out.request_id], out) for out in outputs])
+
+    def _run_step_hook(self) -> None:
+        if self.step_hook is not None:
+            try:
+                self.step_hook()
+            except Exception:
+                log.exception("the engine's step hook failed")
 
     @staticmethod
     def _deliver(deliveries) -> None:

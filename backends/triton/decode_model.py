@@ -10,6 +10,14 @@ decode token and samples the first output token. With ``num_return_sequences`` n
 the transferred KV feeds the first sample; the engine shares no pages between
 sequences, so decode prefills the other n - 1 itself.
 
+With conditional disaggregation most requests come without a descriptor (kv_transfer
+routed them ``local``): decode prefills them itself, chunked and mixed into its batch
+as the colocated ``llm`` model does. Decode publishes its own prefill backlog for that
+routing (:class:`~tandem.backends.disagg.decode_load.DecodeLoadBoard`) and, with
+``decode_idle_threads``, runs on the prefill side's core too while that side has no
+reservation to fill and its batch holds ``decode_borrow_min_seqs`` sequences or more
+(:class:`~tandem.backends.disagg.decode_load.DecodeStepHook`).
+
 A descriptor is checked whole before the engine sees it (limits, this pool's slot
 range, page ids and geometry, and the reservation's secret): a forged or stale one is
 refused, alone, with INVALID_ARG. A request that goes away gives its reservation up at
@@ -26,14 +34,25 @@ from .llm_model import TritonPythonModel as _StreamingModel
 
 class TritonPythonModel(_StreamingModel):
     def _make_engine(self, s):
-        from tandem.backends.disagg import PoolHousekeeper, decode_engine, open_or_create
+        import torch
 
+        from tandem.backends.disagg import PoolHousekeeper, decode_engine, open_or_create
+        from tandem.backends.disagg.decode_load import DecodeLoadBoard, DecodeStepHook
+
+        # the OpenMP team is sized here, on the main thread, for the most threads the engine
+        # will use: raised later from the engine thread (1 -> 2) it ran ~20x slower (measured)
+        torch.set_num_threads(max(s.threads, s.idle_threads))
         self.pool = open_or_create(pool_spec(s))
         self.housekeeper = PoolHousekeeper(self.pool)
-        return decode_engine(self.pool, s.model_dir, dtype=s.dtype,
-                             max_num_seqs=s.max_num_seqs,
-                             max_num_batched_tokens=s.max_num_batched_tokens,
-                             speculative=s.speculative())
+        engine = decode_engine(self.pool, s.model_dir, dtype=s.dtype,
+                               max_num_seqs=s.max_num_seqs,
+                               max_num_batched_tokens=s.max_num_batched_tokens,
+                               speculative=s.speculative())
+        self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
+        self.load_board.publish(0)
+        engine.step_hook = DecodeStepHook(engine.engine, self.pool, self.load_board,
+                                          s.threads, s.idle_threads, s.decode_borrow_min_seqs)
+        return engine
 
     def _poll_metrics(self) -> None:
         self.metrics.poll_engine(self.engine.engine, pool=self.pool,
@@ -63,7 +82,9 @@ class TritonPythonModel(_StreamingModel):
         housekeeper = getattr(self, "housekeeper", None)
         if housekeeper is not None:
             housekeeper.stop()
-        pool = getattr(self, "pool", None)
+        pool, board = getattr(self, "pool", None), getattr(self, "load_board", None)
         if pool is not None:
             # the last process attached removes the files (another version may still use them)
-            pool.close(unlink_if_last=True)
+            last = pool.close(unlink_if_last=True)
+            if board is not None:
+                board.close(unlink=last)

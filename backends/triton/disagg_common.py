@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..disagg.routing import LOCAL  # noqa: F401  (the route that gets NO_TRANSFER)
 from .settings import EngineSettings
 
 INPUT_IDS = "input_ids"            # INT32 [1, n]: the tokenized prompt (preprocess)
 KV_DESCRIPTOR = "kv_descriptor"    # UINT8 [1, m]: DestinationDescriptor bytes (kv_transfer)
 PREFILL_ACK = "prefill_ack"        # BOOL [1, 1]: prefill accepted the job (prefill)
-# a one-token prompt has nothing to prefill: the decoder runs it as its first decode token
+# no reservation, no transfer: decode prefills the prompt itself (a one-token prompt has
+# nothing to prefill; conditional disaggregation routes short prompts here too)
 NO_TRANSFER = b"\0"
 
 

@@ -13,6 +13,14 @@ fit the pool (prompt + ``max_tokens``: INVALID_ARG), so a request that decode wo
 refuse never holds pages. A pool that is merely full answers UNAVAILABLE ("retry
 later").
 
+It also decides where each prompt is prefilled (conditional disaggregation,
+:mod:`tandem.backends.disagg.routing`): from the prompt's length, the prefill side's
+backlog (the pool's reservations still waiting for KV, whether a local prefill process
+or remote prefill servers feed them) and decode's own prefill backlog (its load board).
+A request routed ``local`` reserves nothing: its descriptor is the no-transfer sentinel,
+prefill passes it through, and decode prefills it in its batch. The
+``tandem_disagg_requests_total{path, reason}`` metric counts the decisions.
+
 Unloading (a version roll or a reload) drains: the old instance takes no new
 reservations, keeps receiving for the ones in flight until they are claimed or fail
 (at most ``kv_drain_s``), then closes; the new instance attaches to the same pool.
@@ -23,7 +31,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from .disagg_common import KV_DESCRIPTOR, NO_TRANSFER, as_bytes_tensor, pool_spec
+from .disagg_common import KV_DESCRIPTOR, LOCAL, NO_TRANSFER, as_bytes_tensor, pool_spec
 from .generate_request import RequestError, parse_token_request
 from .inputs import input_getter
 from .metrics import Poller, TransferMetrics
@@ -44,11 +52,14 @@ class TritonPythonModel(PerRequestModel):
         self.lookahead = lookahead_slots(s.speculative())
         self.metrics = TransferMetrics(name, version)
         config = ReceiverConfig(timeout_s=float(s.kv_transfer_timeout_s),
-                                net_devices=s.net_devices, faults=s.fault_plan())
+                                net_devices=s.net_devices, transports=s.transports,
+                                faults=s.fault_plan())
         self.receiver = KVReceiver(self.pool, config, name="kv_transfer",
                                    on_ready=self.metrics.on_ready)
         self.metrics_poller = Poller(lambda: self.metrics.poll_receiver(self.receiver.stats, self.pool))
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
+        self.policy = s.routing_policy()
+        self.decode_board = None   # opened once decode has created it
         if config.faults is not None:
             pb_utils.Logger.log_warn(f"[kv_transfer] fault injection is on: {config.faults}")
 
@@ -63,16 +74,30 @@ class TritonPythonModel(PerRequestModel):
             self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
+        route = self._route(n)
         try:
-            desc = NO_TRANSFER if n <= 1 else self.receiver.reserve(
+            desc = NO_TRANSFER if route.path == LOCAL else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
         except PoolExhausted as e:
             return error_response(
                 f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
         except ValueError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
+        self.metrics.routed(route.path, route.reason)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
+
+    def _route(self, prompt_len: int):
+        """Where this prompt is prefilled: here in decode, or by the prefill side."""
+        from tandem.backends.disagg.decode_load import DecodeLoadBoard
+        from tandem.backends.disagg.routing import DecodeLoad, PrefillLoad, choose_path
+
+        requests, pages = self.pool.backlog()
+        prefill = PrefillLoad(requests, pages * self.pool.spec.models[0].page_size)
+        if self.decode_board is None:
+            self.decode_board = DecodeLoadBoard.open_if_exists(self.pool.spec.name)
+        decode = self.decode_board.read() if self.decode_board is not None else DecodeLoad()
+        return choose_path(prompt_len, prefill, decode, self.policy)
 
     def _check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int = 1) -> None:
         """Refuse what the pool can never hold (decode would refuse it after the
@@ -111,6 +136,9 @@ class TritonPythonModel(PerRequestModel):
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()   # while the stub can still talk to the server
             self.metrics = None
+        board = getattr(self, "decode_board", None)
         if pool is not None:
             # the last process attached removes the files (another version may still use them)
-            pool.close(unlink_if_last=True)
+            last = pool.close(unlink_if_last=True)
+            if board is not None:
+                board.close(unlink=last)

@@ -25,7 +25,10 @@ tandem_kv_transfer_failures_total{reason}      counter    requests whose KV neve
 =============================================  =========  =============================================
 
 ``kv_transfer``: ``tandem_kv_received_bytes_total``, ``tandem_kv_reservations_total``,
-``tandem_kv_transfer_seconds`` (histogram: reservation -> all KV arrived).
+``tandem_kv_transfer_seconds`` (histogram: reservation -> all KV arrived), and
+``tandem_disagg_requests_total{path, reason}`` (counter: where each prompt was prefilled
+— ``local`` in decode or ``remote`` on the prefill side — and why; reasons in
+``tandem.backends.disagg.routing``).
 
 Polled values (engine counters, pool pages) are refreshed by a :class:`Poller` thread;
 per-request values are recorded as they happen. Every update of one model's metrics
@@ -233,6 +236,12 @@ class TransferMetrics(_ModelMetrics):
             "tandem_kv_transfer_seconds", "histogram",
             "time from reserving decode pages to the last KV byte arriving", TRANSFER_BUCKETS)
         self._deltas = Deltas()
+
+    def routed(self, path: str, reason: str) -> None:
+        """One request's prefill placed (``tandem.backends.disagg.routing.choose_path``)."""
+        self._r.metric("tandem_disagg_requests_total", "counter",
+                       "requests by where their prompt was prefilled (local: in decode; remote: "
+                       "on the prefill side) and the reason", path=path, reason=reason).increment(1)
 
     def on_ready(self, trace) -> None:   # the receiver's transport thread
         if trace.ready_at is not None:

@@ -46,7 +46,8 @@ class TritonPythonModel(PerRequestModel):
         # num_pages sizes the decode pool; the prefill's own pool takes the default.
         # With speculation the prefill fills the proposer's KV too (the decoder expects it)
         sender = SenderConfig(timeout_s=float(s.kv_transfer_timeout_s) + 5.0,
-                              net_devices=s.net_devices, faults=s.fault_plan())
+                              net_devices=s.net_devices, transports=s.transports,
+                              faults=s.fault_plan())
         self.service = PrefillService(s.engine_config(num_pages=None), sender)
         self.service.start()
         if sender.faults is not None:

@@ -20,9 +20,10 @@ from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION
                                   SpeculativeConfig)
 
 STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
-                 "prefill_endpoints", "kv_net_devices", "faults")
+                 "prefill_endpoints", "kv_interface", "kv_transports", "faults", "disagg_policy")
 # environment fallbacks of the KV transfer's settings (a parameter in config.pbtxt wins)
-ENV_NET_DEVICES = "TANDEM_KV_NET_DEVICES"
+ENV_INTERFACE = "TANDEM_KV_INTERFACE"
+ENV_TRANSPORTS = "TANDEM_KV_TRANSPORTS"
 ENV_FAULTS = "TANDEM_FAULTS"
 
 
@@ -43,11 +44,17 @@ class EngineSettings:
     mtp_head: str = ""
     prefill_endpoints: str = ""           # "host:port,...": prefill servers (prefill forwards)
     # the KV transfer (kv_transfer, prefill, decode)
-    kv_net_devices: str = ""              # UCX network devices; "": $TANDEM_KV_NET_DEVICES or lo
+    kv_interface: str = ""                # UCX network devices; "": $TANDEM_KV_INTERFACE or lo
+    kv_transports: str = ""               # UCX transports (UCX_TLS); "": $TANDEM_KV_TRANSPORTS or all
     kv_headroom_pages: int | None = None  # pages reservations leave to running sequences; None: auto
     kv_transfer_timeout_s: int = 10       # a reservation fed nothing this long fails
     kv_drain_s: int = 30                  # an unloading kv_transfer waits this long for its transfers
     faults: str = ""                      # fault injection (rdma/faults.py); "": $TANDEM_FAULTS
+    # conditional disaggregation (backends/disagg/routing.py): where kv_transfer sends each
+    # prompt; "conditional[:threshold=value,...]" | "remote" | "local"
+    disagg_policy: str = "conditional"
+    decode_idle_threads: int = 0          # decode's torch threads while prefill idles; 0: torch_threads
+    decode_borrow_min_seqs: int = 12      # ... and while its batch holds at least this many sequences
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":
@@ -86,6 +93,15 @@ class EngineSettings:
         for name in ("kv_transfer_timeout_s", "kv_drain_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.decode_borrow_min_seqs < 0:
+            raise ValueError(f"config.pbtxt: decode_borrow_min_seqs={self.decode_borrow_min_seqs}; allowed: >= 0")
+        if self.decode_idle_threads < 0:
+            raise ValueError(f"config.pbtxt: decode_idle_threads={self.decode_idle_threads}; allowed: >= 0 "
+                             "(0 = torch_threads)")
+        try:
+            self.routing_policy()
+        except ValueError as e:
+            raise ValueError(f"config.pbtxt: {e}") from None
         try:
             self.fault_plan()
         except ValueError as e:
@@ -105,10 +121,25 @@ class EngineSettings:
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)
 
+    def routing_policy(self):
+        """Where kv_transfer sends each prompt (:class:`~tandem.backends.disagg.routing.RoutingPolicy`)."""
+        from ..disagg.routing import RoutingPolicy
+        return RoutingPolicy.parse(self.disagg_policy)
+
+    @property
+    def idle_threads(self) -> int:
+        """Decode's torch threads while the prefill side has nothing to do."""
+        return self.decode_idle_threads or self.threads
+
     @property
     def net_devices(self) -> str:
         """The UCX network devices the KV transfer uses (loopback unless configured)."""
-        return self.kv_net_devices or os.environ.get(ENV_NET_DEVICES, "") or "lo"
+        return self.kv_interface or os.environ.get(ENV_INTERFACE, "") or "lo"
+
+    @property
+    def transports(self) -> str:
+        """The UCX transports the KV transfer may use ("": UCX's choice)."""
+        return self.kv_transports or os.environ.get(ENV_TRANSPORTS, "")
 
     def fault_plan(self):
         """The faults to inject (``faults``, else ``$TANDEM_FAULTS``); None: none."""

@@ -180,16 +180,19 @@ def test_the_kv_transfer_settings_and_their_environment_fallbacks(monkeypatch):
         cfg = {"parameters": {k: {"string_value": str(v)} for k, v in
                               {"model_dir": "/m", **params}.items()}}
         return EngineSettings.from_model_config(cfg)
-    monkeypatch.delenv("TANDEM_KV_NET_DEVICES", raising=False)
+    monkeypatch.delenv("TANDEM_KV_INTERFACE", raising=False)
+    monkeypatch.delenv("TANDEM_KV_TRANSPORTS", raising=False)
     monkeypatch.delenv("TANDEM_FAULTS", raising=False)
     s = settings()
-    assert (s.net_devices, s.fault_plan(), s.kv_headroom_pages) == ("lo", None, None)
-    monkeypatch.setenv("TANDEM_KV_NET_DEVICES", "eth0")
+    assert (s.net_devices, s.transports, s.fault_plan(), s.kv_headroom_pages) == ("lo", "", None, None)
+    monkeypatch.setenv("TANDEM_KV_INTERFACE", "eth0")
+    monkeypatch.setenv("TANDEM_KV_TRANSPORTS", "tcp")
     monkeypatch.setenv("TANDEM_FAULTS", "drop_sender=0.5")
     s = settings()
-    assert s.net_devices == "eth0" and s.fault_plan().drop_sender == 0.5
-    s = settings(kv_net_devices="all", faults="transfer_fail=1@at_counter", kv_headroom_pages=4)
-    assert s.net_devices == "all" and s.fault_plan().transfer_fail_at == "at_counter"
+    assert s.net_devices == "eth0" and s.transports == "tcp" and s.fault_plan().drop_sender == 0.5
+    s = settings(kv_interface="all", kv_transports="tcp,sm", faults="transfer_fail=1@at_counter", kv_headroom_pages=4)
+    assert s.net_devices == "all" and s.transports == "tcp,sm"
+    assert s.fault_plan().transfer_fail_at == "at_counter"
     assert s.kv_headroom_pages == 4
     with pytest.raises(ValueError, match="faults: .*transfer_fail=3"):
         settings(faults="transfer_fail=3")

@@ -34,7 +34,8 @@ def servers(tmp_path_factory, demo_checkpoint):
         prefill = _start(stack, tmp_path_factory.mktemp("prefill-server"),
                          ServeOptions(model_dir=ckpt, mode="prefill", **SETTINGS))
         decoders = [_start(stack, tmp_path_factory.mktemp(f"decode-server-{i}"),
-                           ServeOptions(model_dir=ckpt, prefill_endpoints=prefill.grpc_url, **SETTINGS))
+                           ServeOptions(model_dir=ckpt, prefill_endpoints=prefill.grpc_url,
+                                        disagg_policy="remote", **SETTINGS))
                     for i in range(2)]
         yield prefill, decoders
     finally:
@@ -77,7 +78,8 @@ def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path,
     stack = []
     try:
         srv = _start(stack, tmp_path, ServeOptions(model_dir=str(demo_checkpoint),
-                                                   prefill_endpoints=dead, **SETTINGS))
+                                                   prefill_endpoints=dead, disagg_policy="remote",
+                                                   **SETTINGS))
         with pytest.raises(GenerateError, match=f"no prefill server took the job: {dead}"):
             _text(srv, PROMPTS[0])
         # the reservation made for it is reclaimed by its lease

@@ -38,7 +38,8 @@ def server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
              "ngram": {}}[method]
     run_dir = tmp_path_factory.mktemp(f"serve-spec-{method}")
     srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
-                                    num_speculative_tokens=3, **extra, **SETTINGS),
+                                    num_speculative_tokens=3, disagg_policy="remote", **extra,
+                                    **SETTINGS),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
                        exit_timeout_s=30)
     try:

@@ -73,7 +73,7 @@ _corrupted: list[str] = []   # once the server's heap is known bad, later rolls 
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-roll")
     srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1,
-                                    mode="disaggregated", **SETTINGS),
+                                    mode="disaggregated", disagg_policy="remote", **SETTINGS),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
                        exit_timeout_s=20, model_control_mode="explicit")
     try:

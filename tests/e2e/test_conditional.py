@@ -1,0 +1,147 @@
+"""Conditional disaggregation on a real tritonserver (``tandem serve`` with its default
+``--disagg-policy conditional``, the local-prompt threshold lowered for the demo's short
+prompts): kv_transfer sends a short prompt to decode's own batch (no reservation, no
+transfer) and a long one to the prefill process (KV over UCX into reserved pages). The
+``tandem_disagg_requests_total{path, reason}`` metric says which; either way the greedy
+text equals the colocated engine's (``tandem_colocated`` on the same server, and the
+offline engine), with and without speculation, and a cancelled stream gives its pages
+back."""
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from tandem.client.generate import build_inputs, parse_response, stream_generate
+from tandem.client.serve_options import ServeOptions
+from tandem.client.triton_server import TritonServer
+
+from .triton_calls import metric
+
+pytestmark = pytest.mark.e2e
+DISAGG, COLOCATED = "tandem", "tandem_colocated"
+LOCAL_PROMPT_TOKENS = 12
+POLICY = f"conditional:local_prompt_tokens={LOCAL_PROMPT_TOKENS}"
+SHORT = "def f(x):"
+LONG = "# " + "the quick brown fox jumps over the lazy dog " * 3
+SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
+
+
+def _start(run_dir, checkpoint, **options):
+    srv = TritonServer(ServeOptions(model_dir=str(checkpoint), torch_threads=1, mode="both",
+                                    disagg_policy=POLICY, **SETTINGS, **options),
+                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
+                       exit_timeout_s=30)
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_checkpoint):
+    srv = _start(tmp_path_factory.mktemp("serve-conditional"), demo_checkpoint)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_checkpoint):
+    import torch
+
+    from tandem.backends.engine.llm import LLM
+    from tandem.backends.engine.params import SamplingParams
+    torch.set_num_threads(1)
+    llm = LLM(str(demo_checkpoint), **SETTINGS)
+    lengths = {p: len(llm.engine.tokenize(p)) for p in (SHORT, LONG)}
+    assert lengths[SHORT] <= LOCAL_PROMPT_TOKENS < lengths[LONG], lengths
+    return {p: llm.generate(p, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+            for p in (SHORT, LONG)}
+
+
+def _text(srv, model, prompt):
+    rs = list(stream_generate(srv.grpc_url, prompt, model=model, timeout_s=60, max_tokens=12,
+                              temperature=0.0, stream=True))
+    assert rs[-1].final and rs[-1].finish_reason in ("stop", "length")
+    return "".join(r.text for r in rs)
+
+
+def _routed(srv) -> dict[tuple[str, str], float]:
+    return {(path, reason): metric(srv, "tandem_disagg_requests_total", "kv_transfer",
+                                   path=path, reason=reason)
+            for path, reason in (("local", "short_prompt"), ("remote", "long_prompt"))}
+
+
+@pytest.mark.parametrize("prompt, route", [(SHORT, ("local", "short_prompt")),
+                                           (LONG, ("remote", "long_prompt"))])
+def test_each_prompt_takes_its_path_and_decodes_the_colocated_text(server, reference, prompt, route):
+    before = _routed(server)
+    received = metric(server, "tandem_kv_received_bytes_total", "kv_transfer")
+    assert _text(server, DISAGG, prompt) == reference[prompt]
+    assert _text(server, COLOCATED, prompt) == reference[prompt]
+    after = _routed(server)
+    assert {k: after[k] - before[k] for k in after} == {k: float(k == route) for k in after}
+    time.sleep(0.6)   # one poll of kv_transfer's metrics thread
+    moved = metric(server, "tandem_kv_received_bytes_total", "kv_transfer") - received
+    assert (moved > 0) == (route[0] == "remote")   # the local path transfers nothing
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["local", "remote"])
+def test_a_cancelled_stream_frees_its_pages_on_either_path(server, reference, prompt):
+    import tritonclient.grpc as grpcclient
+
+    aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
+    idle_pages = _pages(server)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(DISAGG, build_inputs(prompt, max_tokens=1900, stream=True),
+                              enable_empty_final_response=True)
+    for _ in range(2):
+        result, error = results.get(timeout=60)
+        assert error is None and not parse_response(result).final, error and error.message()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while metric(server, "tandem_requests_finished_total", "decode", reason="abort") < aborted_before + 1:
+        assert time.monotonic() < deadline, "decode did not abort the cancelled request"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while _pages(server) != idle_pages:
+        assert time.monotonic() < deadline, "the cancelled request's pages were not freed"
+    assert metric(server, "tandem_requests_in_engine", "decode") == 0
+    assert _text(server, DISAGG, prompt) == reference[prompt]
+
+
+def _pages(server) -> tuple[float, float]:
+    time.sleep(0.6)   # one poll of the metrics thread
+    return (metric(server, "tandem_kv_pages", "decode", state="in_use"),
+            metric(server, "tandem_kv_pages", "decode", state="reserved"))
+
+
+@pytest.fixture(scope="module", params=["mtp", "draft_target", "ngram"])
+def spec_server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
+    method = request.param
+    extra = {"mtp": {"mtp_head": str(random_mtp_head)},
+             "draft_target": {"draft_model": str(demo_checkpoint)}, "ngram": {}}[method]
+    srv = _start(tmp_path_factory.mktemp(f"serve-conditional-{method}"), demo_checkpoint,
+                 spec_method=method, num_speculative_tokens=3, **extra)
+    try:
+        yield method, srv
+    finally:
+        srv.stop()
+
+
+def test_speculation_is_lossless_on_both_paths(spec_server, reference):
+    method, srv = spec_server
+    before = _routed(srv)
+    for prompt in (SHORT, LONG):
+        assert _text(srv, DISAGG, prompt) == reference[prompt], prompt
+        assert _text(srv, COLOCATED, prompt) == reference[prompt], prompt
+    after = _routed(srv)
+    assert all(after[k] - before[k] == 1 for k in after), (before, after)
+    time.sleep(0.6)
+    assert metric(srv, "tandem_spec_drafts_total", "decode") > 0
+    if method == "draft_target":   # the model drafting for itself: a wrong draft KV would show
+        assert metric(srv, "tandem_spec_acceptance_rate", "decode") == 1.0
