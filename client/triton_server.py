@@ -34,6 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.rdma.pool_layout import pid_exists
+
 from .process_group import die_with_parent, kill_group, killpg
 from .repository import render_repository
 from .serve_options import ServeOptions, ServerError
@@ -456,20 +458,10 @@ def remove_orphan_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         return removed
     for entry in shm_dir.iterdir():
         m = _STUB_REGION.match(entry.name) or _POOL_FILE.match(entry.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_exists(int(m.group(1))):
             _unlink(entry)
             removed.append(entry.name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: Path) -> None:

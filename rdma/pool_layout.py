@@ -167,6 +167,17 @@ def alive(pid: int, start: int) -> bool:
     return pid > 0 and proc_start(pid) == start
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class PoolOwner(Enum):
     """What :func:`pool_owner` found at a pool's name."""
     MISSING = "missing"          # no control file

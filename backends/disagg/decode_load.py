@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from tandem.rdma.pool_layout import SHM_DIR
+from tandem.rdma.pool_layout import SHM_DIR, pid_exists
 
 from .routing import DecodeLoad
 
@@ -69,7 +69,7 @@ class DecodeLoadBoard:
         """The last published load; none when its writer is gone (a dead decode's
         backlog died with it)."""
         tokens, _, pid = (int(x) for x in self._words[:3])
-        if pid and not _alive(pid):
+        if pid and not pid_exists(pid):
             return DecodeLoad()
         return DecodeLoad(prefill_tokens=max(0, tokens))
 
@@ -81,16 +81,6 @@ class DecodeLoadBoard:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def prefill_backlog_tokens(scheduler) -> int:
