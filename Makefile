@@ -37,6 +37,6 @@ $(GENAI_STAMP): $(STAMP)
 	@touch $(GENAI_STAMP)
 
 # every benchmark, one after another (about half an hour here); each writes docs/bench/<name>.json + .png
-BENCHMARKS := engine spec transfer spec-serving serving scaling load soak genai-perf
+BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak genai-perf
 bench: $(STAMP) $(GENAI_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done
