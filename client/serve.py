@@ -65,6 +65,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", default=defaults.draft_model,
                    help="draft checkpoint (default: checkpoints/demo/draft)")
     p.add_argument("--mtp-head", default=defaults.mtp_head, help="MTP head checkpoint (default: checkpoints/demo/mtp)")
+    p.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size, metavar="N",
+                   help="with --spec draft_target or mtp: the proposer scores only its N most frequent "
+                        "tokens (token_frequencies.json in its checkpoint; lossless, only acceptance "
+                        "changes) (default: %(default)s = all)")
+    p.add_argument("--compile", action="store_true", default=defaults.compile,
+                   help="CPU: decode batches of 1 and 2 through torch.compile (~5-10 s of compiling per "
+                        "batch size and context bucket on first use; bf16 greedy text can differ from "
+                        "the eager engine's at near-ties)")
+    p.add_argument("--enforce-eager", action="store_true", default=defaults.enforce_eager,
+                   help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--prefill-endpoints", default=defaults.prefill_endpoints,
                    help="host:port,... gRPC endpoints of prefill servers (`tandem serve --mode "
                         "prefill`) that this decode server sends its prefills to (default: its own)")
@@ -124,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_pages < 0 or args.threads < 0:
         raise SystemExit("--num-pages and --threads must be >= 0 (0 = automatic)")
+    if args.draft_vocab_size < 0 or (args.draft_vocab_size and args.spec_method not in ("draft_target", "mtp")):
+        raise SystemExit("--draft-vocab-size must be >= 0 (0 = all tokens) and needs --spec draft_target or mtp")
     if args.drain_timeout < 0:
         raise SystemExit("--drain-timeout must be >= 0 (0 = stop at once)")
     options = ServeOptions(
@@ -134,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         draft_model=args.draft_model, mtp_head=args.mtp_head, mode=args.mode,
         prefill_endpoints=args.prefill_endpoints, faults=args.faults, ensemble_name=args.ensemble_name,
         disagg_policy=args.disagg_policy, kv_interface=args.kv_interface,
-        kv_transports=args.kv_transports,
+        kv_transports=args.kv_transports, draft_vocab_size=args.draft_vocab_size,
+        compile=args.compile, enforce_eager=args.enforce_eager,
     )
     server = TritonServer(options, run_dir=args.run_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_file=args.log_file,

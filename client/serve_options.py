@@ -79,6 +79,11 @@ class ServeOptions:
     # (UCX_TLS; "": UCX's choice), see kv_interface_problem
     kv_interface: str = ""
     kv_transports: str = ""
+    # decode speed (tandem.backends.engine.config): CPU compiled decode, no CUDA graphs,
+    # the proposer's frequent-token vocabulary (0: all tokens)
+    compile: bool = False
+    enforce_eager: bool = False
+    draft_vocab_size: int = 0
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -124,7 +129,7 @@ class ServeOptions:
             raise ServerError(problem)
         if any(c in self.faults for c in '"\\\n'):
             raise ServerError(f"--faults {self.faults!r}: quotes, backslashes and line breaks are not allowed")
-        values = {k: str(v) for k, v in asdict(self).items()}
+        values = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
         values["decode_idle_threads"] = "0"
         if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
             # prefill and decode run side by side: a half of the cores each, not all twice

@@ -23,6 +23,19 @@ from .model_runner import ForwardBatch
 COMPILED_SIZES = [1, 2]
 
 
+def _utf8_locale() -> None:
+    """Inductor reads its UTF-8 code templates in the locale's encoding; an embedded
+    interpreter without a locale (Triton's Python-backend stubs) has ASCII."""
+    import locale
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+            try:
+                locale.setlocale(locale.LC_CTYPE, name)
+                return
+            except locale.Error:
+                continue
+
+
 def decode_step(model, page_size: int):
     """The traceable step over an HND pool ``kv`` [layers, pages, 2, H, page_size, D]:
     ``(kv, ids, positions, rows, mask)`` -> (pre-norm hidden [B, hidden], the new token's
@@ -102,6 +115,7 @@ class CompiledDecode:
     None for a batch it does not take: larger, not plain decode, or an NHD pool)."""
 
     def __init__(self, model, pool: KVPagePool, scratch_page: int):
+        _utf8_locale()
         import torch._inductor.config as inductor_config
         inductor_config.freezing = True      # weights become constants inductor packs
         self.pool, self.scratch_page = pool, scratch_page

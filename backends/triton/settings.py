@@ -55,6 +55,10 @@ class EngineSettings:
     disagg_policy: str = "conditional"
     decode_idle_threads: int = 0          # decode's torch threads while prefill idles; 0: torch_threads
     decode_borrow_min_seqs: int = 12      # ... and while its batch holds at least this many sequences
+    # decode speed (engine/config.py): 1 = on
+    compile: int = 0                      # CPU: decode batches of 1 and 2 through torch.compile
+    enforce_eager: int = 0                # GPU: no CUDA graphs
+    draft_vocab_size: int = 0             # the proposer scores its N most frequent tokens; 0: all
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":
@@ -119,7 +123,8 @@ class EngineSettings:
         if self.spec_method == NO_SPECULATION:
             return None
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
-                                 draft_model=self.draft_model or None, mtp_head=self.mtp_head or None)
+                                 draft_model=self.draft_model or None, mtp_head=self.mtp_head or None,
+                                 draft_vocab_size=self.draft_vocab_size or None)
 
     def routing_policy(self):
         """Where kv_transfer sends each prompt (:class:`~tandem.backends.disagg.routing.RoutingPolicy`)."""
@@ -153,7 +158,8 @@ class EngineSettings:
         return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,
                     num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    speculative=self.speculative())
+                    speculative=self.speculative(), compile=bool(self.compile),
+                    enforce_eager=bool(self.enforce_eager))
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:
