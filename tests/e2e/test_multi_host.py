@@ -31,6 +31,8 @@ import pytest
 
 from tandem.client.netns import VethPair, netns_problem
 
+from .triton_calls import metric_in
+
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -119,15 +121,7 @@ class Server:
         """Summed over incarnations (see tests/e2e/triton_calls.py)."""
         status, text = self.pair.call(self.side, _get, f"http://{self.pair.addr[self.side]}:{METRICS}/metrics")
         assert status == 200, text
-        want = {"model": model, "version": "1", **labels}
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-            if m:
-                have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-                if {k: have.get(k) for k in want} == want:
-                    total += float(m.group(2))
-        return total
+        return metric_in(text, name, model, **labels)
 
     def generate(self, prompt: str, max_tokens: int = 10, timeout: float = 120) -> tuple[int, dict]:
         body = {"text_input": prompt, "max_tokens": max_tokens, "temperature": 0}

@@ -59,12 +59,20 @@ def metric(server, name: str, model: str, **labels) -> float:
     """The metric's value summed over the series that carry these labels (every
     incarnation of the model: a reloaded model's old and new stubs label apart)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return metric_in(text, name, model, other_labels={"incarnation"}, **labels)
+
+
+def metric_in(text: str, name: str, model: str, other_labels: set[str] | None = None,
+              **labels) -> float:
+    """Sum of the Prometheus series ``name`` in ``text`` whose labels include these;
+    ``other_labels``: the only further labels a series may have (None: any)."""
     want = {"model": model, "version": "1", **labels}
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
         if m:
             have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if {k: have.get(k) for k in want} == want and set(have) - set(want) <= {"incarnation"}:
+            if {k: have.get(k) for k in want} == want and \
+                    (other_labels is None or set(have) - set(want) <= other_labels):
                 total += float(m.group(2))
     return total
