@@ -507,7 +507,8 @@ def test_initialize_configures_engine_and_threads(model, ckpt_dir):
     engine = FakeEngine.instances[-1]
     assert engine.started and engine.model_dir == str(ckpt_dir)
     assert engine.kwargs == dict(dtype="float32", page_size=16, kv_layout="HND", num_pages=None,
-                                 max_num_seqs=64, max_num_batched_tokens=512, speculative=None)
+                                 max_num_seqs=64, max_num_batched_tokens=512, speculative=None,
+                                 compile=False, enforce_eager=False)
     assert torch.get_num_threads() == 1
 
 
