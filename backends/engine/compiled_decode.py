@@ -49,11 +49,6 @@ def decode_step(model, page_size: int):
     def linear(module, x):   # the weight itself, so that inductor freezes and packs it
         return F.linear(x, module.weight, module.bias)
 
-    def norm(module, x):   # as RMSNorm: fp32 maths, rounded once before the weight
-        if x.dtype == torch.float32:
-            return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps))
-        return module.weight * F.rms_norm(x, module.weight.shape, None, module.eps)
-
     def step(kv, ids, positions, rows, mask):
         b = ids.shape[0]
         cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
@@ -61,10 +56,10 @@ def decode_step(model, page_size: int):
         new_kv = []
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = linear(attn.qkv_proj, norm(layer.input_layernorm, x)).view(b, hq + 2 * hkv, d)
+            qkv = linear(attn.qkv_proj, layer.input_layernorm(x)).view(b, hq + 2 * hkv, d)
             qk = qkv[:, :hq + hkv]
             if attn.q_norm is not None:     # Qwen3
-                qk = torch.cat((norm(attn.q_norm, qk[:, :hq]), norm(attn.k_norm, qk[:, hq:])), 1)
+                qk = torch.cat((attn.q_norm(qk[:, :hq]), attn.k_norm(qk[:, hq:])), 1)
             q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([hq, hkv], 1)
             v = qkv[:, hq + hkv:]
             new_kv.append(torch.stack((k, v), 1))
@@ -75,7 +70,7 @@ def decode_step(model, page_size: int):
             o = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k_all, v_all,
                                                attn_mask=mask)
             x = x + linear(attn.o_proj, o.reshape(b, hq * d))
-            gate, up = linear(mlp.gate_up_proj, norm(layer.post_attention_layernorm, x)).chunk(2, -1)
+            gate, up = linear(mlp.gate_up_proj, layer.post_attention_layernorm(x)).chunk(2, -1)
             x = x + linear(mlp.down_proj, F.silu(gate) * up)
         return x, torch.stack(new_kv, 1)
     return step
