@@ -2,10 +2,11 @@
 
 Three ways to run one decode step of the target (batch 1 and 8, the KV of a 150-token
 context, bf16, one thread): the engine's eager step (``ModelRunner.forward`` and the
-logits: packed bf16 linears, paged attention of the CPU twin); a static-shape step with
-attention inside one function (gather, SDPA, KV append), eager; and that function
-under ``torch.compile`` (inductor, weights frozen and packed by inductor), the CPU
-counterpart of capturing a CUDA graph. Prints ms per step and the compile time.
+logits: packed bf16 linears, paged attention of the CPU twin); the compiled decode's
+static-shape step (``engine/compiled_decode.py``: gather, SDPA and the new token's K/V in
+one function, the KV written after it), eager; and that step under ``torch.compile``
+(inductor, weights frozen and packed by inductor), as ``EngineConfig.compile`` runs it:
+the CPU counterpart of capturing a CUDA graph. Prints ms per step and the compile time.
 """
 from __future__ import annotations
 
@@ -37,40 +38,11 @@ def ms_per_call(fn, steps: int) -> float:
     return 1000 * (time.perf_counter() - start) / steps
 
 
-def static_step(model, cache, page_size: int):
-    """A decode step over a fixed page table: ``(ids, positions, page, slot, rows, mask)``
-    -> logits; every layer's KV append, gather and attention inside (traceable)."""
-    import torch
-    import torch.nn.functional as F
-    cfg = model.config
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rot = model.rotary_table()
-
-    def step(ids, positions, page, slot, rows, mask):
-        b = ids.shape[0]
-        cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
-        x = model.embed_tokens(ids)
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            qkv = attn.qkv_proj(layer.input_layernorm(x)).view(b, hq + 2 * hkv, d)
-            qk = qkv[:, :hq + hkv]
-            q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([hq, hkv], 1)
-            layer_cache = cache[i]                                   # HND [P, 2, H, S, D]
-            layer_cache[page, :, :, slot] = torch.stack((k, qkv[:, hq + hkv:]), 1)
-            kv = layer_cache.view(-1, page_size * d).index_select(0, rows)
-            kv = kv.view(2, hkv, b, -1, d).transpose(1, 2)            # [2, B, H, L, D]
-            o = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), kv[0], kv[1],
-                                               attn_mask=mask)
-            x = x + attn.o_proj(o.reshape(b, hq * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.compute_logits(x)
-    return step
-
-
 def run(args) -> int:
     import torch
     import torch._inductor.config as inductor_config
     torch.set_num_threads(args.threads)
+    from tandem.backends.engine.compiled_decode import decode_step, step_inputs
     from tandem.backends.engine.model_runner import ForwardBatch, ModelRunner
     from tandem.backends.kv_cache import KVPagePool
     from tandem.backends.models import load_model
@@ -85,30 +57,28 @@ def run(args) -> int:
         lists = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
         fb = ForwardBatch([[5]] * batch, [args.context] * batch, lists)
         with torch.inference_mode():
-            # the same step with static shapes, attention included
-            pages = torch.tensor(lists)
-            rows = (pages[:, None, None, :] * 2 + torch.arange(2)[None, :, None, None]) \
-                * cfg.num_key_value_heads + torch.arange(cfg.num_key_value_heads)[None, None, :, None]
-            rows = rows.permute(1, 2, 0, 3).reshape(-1)
-            kv_len = pages_per_seq * page_size
-            mask = torch.zeros(batch, 1, 1, kv_len, dtype=torch.bfloat16)
-            mask[..., args.context + 1:] = float("-inf")
-            inputs = (torch.full((batch,), 5), torch.full((batch,), args.context),
-                      pages[:, -1].clone(), torch.full((batch,), args.context % page_size), rows, mask)
-            cache = pool.kv.view(cfg.num_hidden_layers, num_pages, 2, cfg.num_key_value_heads,
-                                 page_size, cfg.head_dim)
+            # the engine's compiled step (engine/compiled_decode.py), eager and compiled
+            kv = pool.kv.view(cfg.num_hidden_layers, num_pages, 2, cfg.num_key_value_heads,
+                              page_size, cfg.head_dim)
+            ids, positions, rows, mask, page, slot = step_inputs(
+                fb, page_size, cfg.num_key_value_heads, torch.bfloat16, num_pages - 1)
+
+            def static(step, logits_of):
+                def call():
+                    hidden, new_kv = step(kv, ids, positions, rows, mask)
+                    kv[:, page, :, :, slot] = new_kv
+                    return logits_of(hidden)
+                return call
             plain = load_model(args.target, "bfloat16")   # unpacked: inductor packs itself
-            step = static_step(plain, cache, page_size)
-            packed_step = static_step(model, cache, page_size)
+            step = decode_step(plain, page_size)
             inductor_config.freezing = True
             compiled = torch.compile(step, dynamic=False)
             t0 = time.perf_counter()
-            compiled(*inputs)
+            compiled(kv, ids, positions, rows, mask)
             compile_s = time.perf_counter() - t0
             variants = {"engine_eager": lambda: runner.logits(runner.forward(fb)[1]),
-                        "static_eager": lambda: step(*inputs),
-                        "static_eager_packed": lambda: packed_step(*inputs),
-                        "compiled": lambda: compiled(*inputs)}
+                        "static_eager": static(step, plain.compute_logits),
+                        "compiled": static(compiled, plain.compute_logits)}
             runs = {name: [] for name in variants}
             for _ in range(args.repeats):      # interleaved: every variant once per repeat
                 for name, fn in variants.items():
