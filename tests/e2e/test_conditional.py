@@ -96,7 +96,7 @@ def test_a_cancelled_stream_frees_its_pages_on_either_path(server, reference, pr
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(DISAGG, build_inputs(prompt, max_tokens=1900, stream=True),
+    client.async_stream_infer(DISAGG, build_inputs(prompt, max_tokens=1900, min_tokens=1900, stream=True),
                               enable_empty_final_response=True)
     for _ in range(2):
         result, error = results.get(timeout=60)

@@ -117,7 +117,7 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(DISAGG, build_inputs("class A:", max_tokens=2000, stream=True),
+    client.async_stream_infer(DISAGG, build_inputs("class A:", max_tokens=2000, min_tokens=2000, stream=True),
                               enable_empty_final_response=True)
     for _ in range(2):
         result, error = results.get(timeout=60)
@@ -152,7 +152,7 @@ def test_closing_the_sse_connection_aborts_the_stream(server, reference):
     host, port = server.http_url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", f"/v2/models/{DISAGG}/generate_stream",
-                 body=json.dumps({"text_input": "class A:", "max_tokens": 2000, "stream": True}))
+                 body=json.dumps({"text_input": "class A:", "max_tokens": 2000, "min_tokens": 2000, "stream": True}))
     response = conn.getresponse()
     assert response.status == 200
     assert response.fp.readline()     # the first event is under way

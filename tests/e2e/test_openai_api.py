@@ -189,8 +189,9 @@ def _pages(served) -> tuple[float, float]:
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
     idle = _pages(served)
     aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
-    # most of the context: the tiny model needs seconds for it, the test closes after 5 chunks
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True)
+    # most of the context (min_tokens: no early end of text): seconds of decoding; closed after 5 chunks
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
+                                       extra_body=dict(min_tokens=2000))
     for i, _ in enumerate(stream):
         if i == 5:
             break
@@ -207,13 +208,16 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
 
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
-    """Not streamed: the frontend notices the closed connection while it waits."""
+    """Not streamed: the frontend notices the closed connection while it waits.
+
+    ``min_tokens``: the untrained model, sampling, can end its text after a few hundred
+    tokens (1.5 s), sooner than the close is seen; 2000 tokens are seconds of decoding."""
     import http.client
     idle = _pages(served)
     aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
     host, port = served.base_url.removeprefix("http://").removesuffix("/v1").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2000)),
+    conn.request("POST", "/v1/completions", json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2000, min_tokens=2000)),
                  {"Content-Type": "application/json"})
     deadline = time.monotonic() + 30
     while metric(served, "tandem_requests_in_engine", "decode") < 1:   # it reached the engine

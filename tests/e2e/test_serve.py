@@ -164,7 +164,7 @@ def test_cancelled_stream_is_aborted_and_server_stays_healthy(server, model):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, build_inputs(prompt, max_tokens=2000, stream=True),
+    client.async_stream_infer(model, build_inputs(prompt, max_tokens=2000, min_tokens=2000, stream=True),
                               enable_empty_final_response=True)
     for _ in range(2):
         result, error = results.get(timeout=60)
