@@ -22,7 +22,8 @@ late message of a reclaimed reservation never lands in a new owner's pages.
 A reservation fails when no operation completes for ``timeout_s``, when an operation
 fails, when its sender dies (seen on the error-handled watch endpoint to it), or when
 the decoder cancels it; its senders are told (:class:`~tandem.rdma.wire.Abort`), and
-its pages are freed once no receive into them is in flight. Every wait has a
+the decoder sees it failed at once, and its pages are freed once no receive into them
+is in flight. Every wait has a
 deadline: a receive from a dead sender is given up at once (nothing more can land),
 and any receive still in flight ``drain_timeout_s`` after the failure is abandoned.
 """
@@ -386,7 +387,8 @@ class KVReceiver(Messenger):
             self._tell(address, Abort(r.slot, r.gen, r.secret, reason))
         if r.inflight == 0:
             self._release(r)
-        else:
+        else:   # the decoder learns now; the pages wait for the receives (or their deadline)
+            self.pool.doom(r.slot, r.gen, reason)
             r.drain_deadline = time.monotonic() + self.config.drain_timeout_s
             self._draining.append(r)
 

@@ -11,6 +11,12 @@ reservation while pages are free. The generation increments on every reservation
 a slot, and everything that names a reservation names (slot, generation); what
 proves a right to it is the secret (:meth:`Reservations.verify`).
 
+A reservation that fails while receives into its pages are still posted (a link cut
+mid-transfer) is first *doomed* (:meth:`Reservations.doom`): it stays RESERVED, so its
+pages stay out of every allocation, but carries its error, and :meth:`poll` reads it as
+FAILED at once, so the request fails within the transfer timeout; its receiver frees
+the pages (:meth:`fail`) once no receive can land in them.
+
 A cancel from the decoder (:meth:`Reservations.cancel`) frees a READY reservation at
 once; a RESERVED one may still have receives in flight into its pages, so the cancel
 is a request its receiver acts on (``slot_cancel``), freeing the pages once no
@@ -150,7 +156,8 @@ class Reservations:
         """RESERVED -> READY; a reservation the decoder cancelled meanwhile fails
         instead (nobody would claim it). Whether it is READY."""
         c = self._ctl
-        if c.slot_gen[slot] != generation or c.slot_state[slot] != RESERVED:
+        if (c.slot_gen[slot] != generation or c.slot_state[slot] != RESERVED
+                or c.slot_error[slot] != OK):   # gone, or doomed
             return False
         if c.slot_cancel[slot] == generation:
             self.fail_slot(slot, CANCELLED)
@@ -165,6 +172,16 @@ class Reservations:
         if c.slot_gen[slot] != generation or c.slot_state[slot] not in (RESERVED, READY):
             return False
         self.fail_slot(slot, reason)
+        return True
+
+    def doom(self, slot: int, generation: int, reason: int) -> bool:
+        """A RESERVED reservation reads as failed from now on while its pages stay held
+        (receives into them may still land); :meth:`fail` frees them later. Whether it
+        was live."""
+        c = self._ctl
+        if c.slot_gen[slot] != generation or c.slot_state[slot] != RESERVED:
+            return False
+        c.slot_error[slot] = reason
         return True
 
     def fail_slot(self, slot: int, reason: int) -> None:
@@ -212,8 +229,8 @@ class Reservations:
         if gen != generation:
             return SlotStatus(FAILED, generation, 0, 0, CANCELLED)
         error = int(c.slot_error[slot])
-        if state == FREE and error != OK:
-            state = FAILED   # failed, and its grace period is over
+        if state in (FREE, RESERVED) and error != OK:
+            state = FAILED   # failed, and its grace period is over; or doomed
         return SlotStatus(state, gen, int(c.slot_counter[slot]), int(c.slot_expected[slot]),
                           error)
 
@@ -231,7 +248,7 @@ class Reservations:
             raise ReservationGone(f"reservation {slot}/{generation}: wrong secret")
         if state == FREE and c.slot_error[slot] == OK:
             raise ReservationGone(f"reservation {slot}/{generation} was already claimed")
-        if state in (FAILED, FREE):
+        if state in (FAILED, FREE) or (state == RESERVED and c.slot_error[slot] != OK):
             raise ReservationGone(f"KV transfer for reservation {slot}/{generation} failed: "
                                   f"{FAILURE_REASONS[int(c.slot_error[slot])]}")
         if state != READY:
@@ -251,7 +268,7 @@ class Reservations:
         state = int(c.slot_state[slot])
         if state == READY:
             self.fail_slot(slot, CANCELLED)
-        elif state == RESERVED:
+        elif state == RESERVED and c.slot_error[slot] == OK:   # not doomed already
             c.slot_cancel[slot] = generation
         else:
             return False

@@ -304,6 +304,12 @@ class SharedKVPool:
         with self._locked():
             return self._slots.fail(slot, generation, reason)
 
+    def doom(self, slot: int, generation: int, reason: int) -> bool:
+        """Fail a RESERVED reservation for its decoder now, its pages kept until
+        :meth:`fail` (receives into them are still posted)."""
+        with self._locked():
+            return self._slots.doom(slot, generation, reason)
+
     def cancel_requested(self, slot: int, generation: int) -> bool:
         """Lock-free: whether the decoder gave this RESERVED reservation up."""
         return self._slots.cancel_requested(slot, generation)

@@ -10,8 +10,8 @@ would otherwise pick shared memory or CMA between them.
 Checked: the transports UCX chose for every endpoint (its own log) and the TCP
 connections between the two addresses (``ss``); greedy text over the link equals the
 single-host engine's; the link cut mid-transfer fails the request with a clear error
-within the KV path's deadlines (the transfer timeout, then the drain of receives in
-flight) and every page comes back; with the link up again the same processes serve on.
+within the transfer timeout and every page comes back (once the receives still posted
+are given up); with the link up again the same processes serve on.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ HTTP, GRPC, METRICS = 8000, 8001, 8002      # fresh namespaces: every port is fr
 PAGE_SIZE, BATCHED = 16, 64
 TRANSFER_TIMEOUT_S = 10                     # kv_transfer_timeout_s (backends/triton/settings.py)
 # a failed reservation's receives still in flight are given up this much later, and only
-# then does decode learn of the failure (ReceiverConfig.drain_timeout_s, rdma/receiver.py)
+# then are its pages freed (ReceiverConfig.drain_timeout_s, rdma/receiver.py)
 RECEIVE_DRAIN_S = 10
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:"]
 LONG = "# " + "the quick brown fox jumps over the lazy dog " * 40    # ~900 tokens
@@ -250,9 +250,11 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     assert status != 200 and "error" in out, out
     assert "KV" in out["error"] and ("transfer timeout" in out["error"] or "prefill" in out["error"]), out
     assert 0 < got < kv_bytes                   # it was cut mid-transfer
-    assert failed_after <= TRANSFER_TIMEOUT_S + RECEIVE_DRAIN_S + 5
+    # decode learns at the transfer timeout (counted from the last progress, which is
+    # at the cut or a little before), not when the posted receives are given up
+    assert failed_after <= TRANSFER_TIMEOUT_S + 3
     # every page comes back: the failed reservation's, nothing reserved or in use
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + RECEIVE_DRAIN_S + 20
     while True:
         time.sleep(0.6)
         pages = {s: decode.metric("tandem_kv_pages", "kv_transfer", state=s)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tandem.rdma import ModelSpec, ReservationGone, SharedPageAllocator
-from tandem.rdma.shared_pool import CANCELLED, OWNER_DIED, RESERVED, PoolError, PoolExhausted
+from tandem.rdma.shared_pool import CANCELLED, OWNER_DIED, RESERVED, TIMEOUT, PoolError, PoolExhausted
 
 MODEL = ModelSpec("target", 2, 2, 8, 4, "bfloat16", "HND")
 
@@ -37,6 +37,24 @@ def test_reservation_lifecycle_and_generations(make_pool):
     pool.fail(slot2, gen2, CANCELLED)
     pool.expire()
     assert pool.stats().free == 16 and pool.stats().slots_active == 0
+
+
+def test_a_doomed_reservation_reads_failed_at_once_and_keeps_its_pages_until_failed(make_pool):
+    """A link cut with receives posted: the decoder must learn within the transfer
+    timeout, while no page of it may be handed out until its receives are given up."""
+    pool = make_pool([MODEL], num_pages=8, fail_grace_s=30.0)
+    slot, gen, _ = pool.reserve(4, expected_ops=3, timeout_s=5)
+    pool.add_completed(slot)
+    assert pool.doom(slot, gen, TIMEOUT)
+    st = pool.poll(slot, gen)
+    assert st.failed and st.error == TIMEOUT and "transfer timeout" in st.reason
+    assert pool.stats().reserved == 4 and pool.try_alloc(5) is None   # still held
+    with pytest.raises(ReservationGone, match="transfer timeout"):
+        pool.claim(slot, gen)
+    assert not pool.mark_ready(slot, gen, 5.0)
+    assert pool.fail(slot, gen, TIMEOUT)                  # its receives are over: freed
+    assert pool.poll(slot, gen).error == TIMEOUT and pool.stats().free == 8
+    assert not pool.doom(slot, gen, TIMEOUT)              # only a RESERVED one
 
 
 def test_claim_hands_pages_over_in_the_order_reserve_gave_them(make_pool):
