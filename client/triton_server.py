@@ -245,7 +245,9 @@ class TritonServer:
 
         It unloads the models clients call (the ensembles; ``prefill`` on a prefill server):
         Triton refuses new requests to them, while the models beneath keep serving the
-        streams already admitted. (Triton's own shutdown on SIGTERM would not do: its models
+        streams already admitted (a prefill server's ``prefill`` answers at once and
+        streams the KV after: its unload waits for the jobs it took to finish their
+        transfers). (Triton's own shutdown on SIGTERM would not do: its models
         stop taking requests, the ensembles' own steps included, so every open stream
         stalls.) Nothing is in flight once those models are unloaded (their streams ended
         and closed), or once the engines have held no request for :data:`DRAIN_QUIET_S`: a

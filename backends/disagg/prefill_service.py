@@ -20,6 +20,7 @@ computed for nobody.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -35,6 +36,10 @@ from .pool import TARGET
 
 log = logging.getLogger(__name__)
 DoneCallback = Callable[[str | None], None]
+
+
+class PrefillClosing(RuntimeError):
+    """The service is shutting down and takes no new job."""
 
 
 class PrefillService(PrefillHooks):
@@ -54,12 +59,24 @@ class PrefillService(PrefillHooks):
         self._transfers: dict[str, object] = {}
         self._inbox = Inbox()
         self._ids = itertools.count()
+        # jobs submitted whose on_done has not run: shutdown lets them finish
+        self._pending = 0
+        self._closing = False
+        self._settled = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="tandem-prefill", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, drain_s: float = 0.0) -> None:
+        """Stop; with ``drain_s``, first refuse new jobs and give the ones taken that
+        long to finish their transfers (an unload, a draining server: the decoders
+        reserved pages for them and wait)."""
+        with self._settled:
+            self._closing = True
+            if not self._settled.wait_for(lambda: self._pending == 0, timeout=drain_s):
+                log.warning("prefill: %d job(s) still in flight after %.0f s; they are cut",
+                            self._pending, drain_s)
         self._inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -68,7 +85,8 @@ class PrefillService(PrefillHooks):
     # -- any thread -----------------------------------------------------------------------
     def submit(self, desc: DestinationDescriptor, prompt_ids: list[int],
                on_done: DoneCallback) -> str:
-        """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation."""
+        """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation. Raises
+        :class:`PrefillClosing` once :meth:`shutdown` began."""
         if len(prompt_ids) - 1 != desc.num_tokens:
             raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
                              f"{len(prompt_ids)} tokens prefills {len(prompt_ids) - 1}")
@@ -77,8 +95,12 @@ class PrefillService(PrefillHooks):
                              f"this prefill produces {self.kv_names} (do both sides speculate "
                              f"alike?)")
         self.sender.check(desc, (self.context_nbytes,))
+        with self._settled:
+            if self._closing:
+                raise PrefillClosing("this prefill server is shutting down; retry on another")
+            self._pending += 1
         rid = f"prefill-{next(self._ids)}"
-        job = ("add", rid, (desc, list(prompt_ids), on_done))
+        job = ("add", rid, (desc, list(prompt_ids), functools.partial(self._settle, on_done)))
         delay = self._faults.prefill_delay_s() if self._faults is not None else 0.0
         if delay:
             timer = threading.Timer(delay, self._inbox.post, job)
@@ -87,6 +109,15 @@ class PrefillService(PrefillHooks):
         else:
             self._inbox.post(*job)
         return rid
+
+    def _settle(self, on_done: DoneCallback, error: str | None) -> None:
+        """A job's one end (every job's on_done runs exactly once)."""
+        try:
+            on_done(error)
+        finally:
+            with self._settled:
+                self._pending -= 1
+                self._settled.notify_all()
 
     # -- messenger thread -----------------------------------------------------------------
     def _transfer_done(self, rid: str, t) -> None:

@@ -49,6 +49,7 @@ class TritonPythonModel(PerRequestModel):
                               net_devices=s.net_devices, transports=s.transports,
                               faults=s.fault_plan())
         self.service = PrefillService(s.engine_config(num_pages=None), sender)
+        self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
         self.service.start()
         if sender.faults is not None:
             pb_utils.Logger.log_warn(f"[prefill] fault injection is on: {sender.faults}")
@@ -70,7 +71,7 @@ class TritonPythonModel(PerRequestModel):
             except (MalformedMessage, ValueError) as e:
                 return error_response(
                     f"kv_descriptor: {e}", pb_utils.TritonError.INVALID_ARG)
-            except RuntimeError as e:   # PrefillUnavailable: every prefill server failed
+            except RuntimeError as e:   # PrefillUnavailable (every prefill server failed), PrefillClosing
                 return error_response(
                     str(e), pb_utils.TritonError.UNAVAILABLE)
         ack = np.ones((1, 1), dtype=bool)
@@ -78,7 +79,8 @@ class TritonPythonModel(PerRequestModel):
 
     def finalize(self) -> None:
         if getattr(self, "service", None) is not None:
-            self.service.shutdown()
+            # an unload (a draining server, a version roll): the jobs taken finish first
+            self.service.shutdown(drain_s=self.drain_s)
         if getattr(self, "router", None) is not None:
             self.router.close()
 

@@ -94,3 +94,41 @@ def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path,
         for s in stack:
             s.stop()
     assert stub_processes(tmp_path) == []
+
+
+def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_checkpoint, reference):
+    """SIGTERM to a prefill pod (`tandem serve` calls drain): the jobs it accepted still
+    stream their KV to the decoders that reserved pages for them; new jobs are refused
+    with a clear error; the server then stops. Each job is held 4 s before it starts
+    (fault injection), so one is surely in flight when the drain begins."""
+    import concurrent.futures
+    stack = []
+    ckpt = str(demo_checkpoint)
+    try:
+        prefill = _start(stack, tmp_path / "prefill", ServeOptions(model_dir=ckpt, mode="prefill",
+                                                                   faults="prefill_delay_ms=4000", **SETTINGS))
+        decode = _start(stack, tmp_path / "decode", ServeOptions(
+            model_dir=ckpt, prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **SETTINGS))
+        assert _text(decode, PROMPTS[1]) == reference[PROMPTS[1]]       # warm
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            taken = metric(prefill, "nv_inference_request_success", "prefill")
+            answer = pool.submit(_text, decode, PROMPTS[0])
+            deadline = time.monotonic() + 30
+            while metric(prefill, "nv_inference_request_success", "prefill") == taken:   # accepted
+                assert time.monotonic() < deadline and not answer.done(), "the job never reached prefill"
+                time.sleep(0.05)
+            drained = pool.submit(prefill.drain, 60)
+            deadline = time.monotonic() + 10
+            while prefill.is_ready():
+                assert time.monotonic() < deadline, "the draining prefill server still reads ready"
+                time.sleep(0.05)
+            assert answer.result(timeout=60) == reference[PROMPTS[0]]     # the job in flight finished
+            assert drained.result(timeout=60) is True
+        with pytest.raises(GenerateError, match="no prefill server took the job"):
+            _text(decode, PROMPTS[1])
+        log = (prefill.run_dir / "tritonserver.log").read_text()
+        assert "[prefill] KV transfer failed" not in log and "still in flight" not in log
+    finally:
+        for srv in reversed(stack):
+            srv.stop()
+    assert stub_processes(tmp_path / "prefill") == []
