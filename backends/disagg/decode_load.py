@@ -2,7 +2,11 @@
 
 - :class:`DecodeLoadBoard` — a few words in shared memory beside the decode pool
   (``/dev/shm/<pool name>.load``): decode writes its own prefill backlog after every
-  step, kv_transfer reads it for routing (:mod:`.routing`). A hint, read without a lock.
+  step, and how many prompt tokens it has taken in to prefill itself so far;
+  kv_transfer reads it for routing (:mod:`.routing`). A hint, read without a lock.
+- :class:`InTransit` — kv_transfer's ledger of the prompts it routed local that decode
+  has not taken in yet (they pass prefill and the ensemble's hops first): without it a
+  burst of short prompts would all see the same backlog and all go local.
 - :class:`DecodeStepHook` — runs on the decode engine's thread before and after each
   step: publishes the backlog, and gives the engine the prefill side's core while that
   side has nothing to do (``idle_threads``) and the batch is large enough to gain from
@@ -13,7 +17,7 @@
   decoded 186 tok/s each on one thread, 155–159 on two).
 
 >>> board = DecodeLoadBoard("doc-decode-load", create=True)
->>> board.publish(prefill_tokens=300); board.read()
+>>> board.publish(prefill_tokens=300, taken_in=300); board.read()
 DecodeLoad(prefill_tokens=300)
 >>> board.close(unlink=True)
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections import deque
 
 import numpy as np
 
@@ -29,7 +34,8 @@ from tandem.rdma.pool_layout import SHM_DIR, pid_exists
 
 from .routing import DecodeLoad
 
-_WORDS = 4   # prefill_tokens, updated (monotonic ns), writer pid, reserved
+# prefill_tokens, updated (monotonic ns), writer pid, prompt tokens taken in (cumulative)
+_WORDS = 4
 
 
 def board_path(pool_name: str) -> str:
@@ -59,8 +65,11 @@ class DecodeLoadBoard:
         except (FileNotFoundError, ValueError):   # not yet created, or still empty
             return None
 
-    def publish(self, prefill_tokens: int) -> None:
+    def publish(self, prefill_tokens: int, taken_in: int = 0) -> None:
+        """``taken_in``: prompt tokens of the local-path sequences this process has
+        admitted since it started (cumulative; :class:`InTransit` reads it)."""
         w = self._words
+        w[3] = taken_in
         w[0] = prefill_tokens
         w[1] = time.monotonic_ns()
         w[2] = os.getpid()
@@ -73,6 +82,10 @@ class DecodeLoadBoard:
             return DecodeLoad()
         return DecodeLoad(prefill_tokens=max(0, tokens))
 
+    def taken_in(self) -> tuple[int, int]:
+        """(writer pid, its cumulative count of prompt tokens taken in)."""
+        return int(self._words[2]), int(self._words[3])
+
     def close(self, unlink: bool = False) -> None:
         self._words = None
         self._mm.close()
@@ -81,6 +94,45 @@ class DecodeLoadBoard:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class InTransit:
+    """Prompt tokens routed local that decode has not taken in yet, as kv_transfer
+    reckons them: its routes in order, matched first-in first-out against decode's
+    cumulative count (:meth:`DecodeLoadBoard.taken_in`). A route older than
+    ``horizon_s`` is dropped (its request failed or was cancelled on the way); a new
+    decode process (another writer pid) starts its count afresh.
+
+    >>> t = InTransit()
+    >>> t.observe(writer=7, taken_in=0, now=0.0); t.add(200, now=0.0); t.add(100, now=0.0)
+    0
+    >>> t.observe(writer=7, taken_in=200, now=0.01)    # decode took the first one in
+    100
+    """
+
+    def __init__(self, horizon_s: float = 2.0):
+        self.horizon_s = horizon_s
+        self._routes: deque = deque()      # [routed at, tokens not yet matched]
+        self._seen: tuple[int, int] | None = None
+
+    def observe(self, writer: int, taken_in: int, now: float) -> int:
+        """Match decode's count read now; the tokens still in transit."""
+        seen, self._seen = self._seen, (writer, taken_in)
+        arrived = taken_in - seen[1] if seen is not None and seen[0] == writer else 0
+        routes = self._routes
+        while routes and arrived > 0:
+            take = min(arrived, routes[0][1])
+            routes[0][1] -= take
+            arrived -= take
+            if routes[0][1] == 0:
+                routes.popleft()
+        while routes and routes[0][0] < now - self.horizon_s:
+            routes.popleft()
+        return sum(r[1] for r in routes)
+
+    def add(self, tokens: int, now: float) -> None:
+        """A route to the local path, right after :meth:`observe` (the count it follows)."""
+        self._routes.append([now, tokens])
 
 
 def prefill_backlog_tokens(scheduler) -> int:
@@ -105,15 +157,19 @@ class DecodeStepHook:
         self.engine, self.pool, self.board = engine, pool, board
         self.threads, self.idle_threads = threads, idle_threads
         self.borrow_min_seqs = borrow_min_seqs
-        self._published: int | None = None
+        self._published: tuple[int, int] | None = None
         self._current: int | None = None
+        self._taken_in = 0                 # prompt tokens of local-path sequences admitted
+        self._known: set[str] = set()      # the request ids among them seen already
 
     def __call__(self) -> None:
         if self.board is not None:
-            backlog = prefill_backlog_tokens(self.engine.scheduler)
-            if backlog != self._published:
-                self.board.publish(backlog)
-                self._published = backlog
+            scheduler = self.engine.scheduler
+            self._count_arrivals(scheduler)
+            state = (prefill_backlog_tokens(scheduler), self._taken_in)
+            if state != self._published:
+                self.board.publish(*state)
+                self._published = state
         if self.idle_threads != self.threads:
             batch = len(self.engine.scheduler.running)
             idle = batch >= self.borrow_min_seqs and not self.pool.backlog()[0]
@@ -122,3 +178,14 @@ class DecodeStepHook:
                 import torch
                 torch.set_num_threads(want)   # this (the engine's) thread's OpenMP team
                 self._current = want
+
+    def _count_arrivals(self, scheduler) -> None:
+        """New sequences reach the waiting queue; those with nothing computed came by
+        the local path (a transferred one arrives prefilled; a preempted one is known)."""
+        live = {s.request_id for queue in (scheduler.waiting, scheduler.running) for s in queue}
+        for seq in scheduler.waiting:
+            if seq.request_id not in self._known:
+                self._known.add(seq.request_id)
+                if seq.num_computed == 0:
+                    self._taken_in += len(seq.prompt_ids)
+        self._known &= live

@@ -61,7 +61,8 @@ class PrefillLoad:
 @dataclass(frozen=True, slots=True)
 class DecodeLoad:
     """The decode engine's own prefill backlog: prompt tokens of local-path requests
-    (admitted or waiting) whose KV it has not computed yet. Each of them is a chunk
+    (admitted, waiting, or routed to it and still on the way) whose KV it has not
+    computed yet. Each of them is a chunk
     mixed into a decode step, which every running stream waits for."""
     prefill_tokens: int = 0
 

@@ -28,6 +28,7 @@ reservations, keeps receiving for the ones in flight until they are claimed or f
 from __future__ import annotations
 
 import json
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -60,6 +61,8 @@ class TritonPythonModel(PerRequestModel):
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
         self.policy = s.routing_policy()
         self.decode_board = None   # opened once decode has created it
+        from tandem.backends.disagg.decode_load import InTransit
+        self.in_transit = InTransit()
         if config.faults is not None:
             pb_utils.Logger.log_warn(f"[kv_transfer] fault injection is on: {config.faults}")
 
@@ -74,7 +77,7 @@ class TritonPythonModel(PerRequestModel):
             self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
-        route = self._route(n)
+        route = self._route(n, parsed.num_return_sequences)
         try:
             desc = NO_TRANSFER if route.path == LOCAL else self.receiver.reserve(
                 n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
@@ -87,8 +90,10 @@ class TritonPythonModel(PerRequestModel):
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
 
-    def _route(self, prompt_len: int):
-        """Where this prompt is prefilled: here in decode, or by the prefill side."""
+    def _route(self, prompt_len: int, num_sequences: int):
+        """Where this prompt is prefilled: here in decode, or by the prefill side.
+        Decode's backlog counts what it has taken in, plus what was routed to it and
+        has not arrived yet."""
         from tandem.backends.disagg.decode_load import DecodeLoadBoard
         from tandem.backends.disagg.routing import DecodeLoad, PrefillLoad, choose_path
 
@@ -96,8 +101,16 @@ class TritonPythonModel(PerRequestModel):
         prefill = PrefillLoad(requests, pages * self.pool.spec.models[0].page_size)
         if self.decode_board is None:
             self.decode_board = DecodeLoadBoard.open_if_exists(self.pool.spec.name)
-        decode = self.decode_board.read() if self.decode_board is not None else DecodeLoad()
-        return choose_path(prompt_len, prefill, decode, self.policy)
+        decode, now = DecodeLoad(), time.monotonic()
+        if self.decode_board is not None:
+            in_transit = self.in_transit.observe(*self.decode_board.taken_in(), now)
+            decode = DecodeLoad(self.decode_board.read().prefill_tokens + in_transit)
+        route = choose_path(prompt_len, prefill, decode, self.policy)
+        # decode prefills every sample itself but the remote path's first one
+        here = num_sequences - (route.path != LOCAL)
+        if here:
+            self.in_transit.add(prompt_len * here, now)
+        return route
 
     def _check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int = 1) -> None:
         """Refuse what the pool can never hold (decode would refuse it after the

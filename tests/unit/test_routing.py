@@ -180,3 +180,68 @@ def test_step_hook_publishes_the_backlog_and_switches_threads_with_the_prefill_s
     finally:
         torch.set_num_threads(before)
         board.close(unlink=True)
+
+
+def test_in_transit_matches_routes_against_what_decode_took_in():
+    """A burst of short prompts: each sees the ones routed just before it, until decode
+    has taken them in (then they are in its published backlog instead)."""
+    from tandem.backends.disagg.decode_load import InTransit
+    t = InTransit(horizon_s=2.0)
+    assert t.observe(writer=5, taken_in=1000, now=0.0) == 0      # decode's count so far
+    t.add(200, now=0.0)
+    assert t.observe(5, 1000, now=0.01) == 200
+    t.add(100, now=0.01)
+    t.add(50, now=0.01)
+    assert t.observe(5, 1250, now=0.02) == 100                   # first in, first matched
+    assert t.observe(5, 1250, now=0.03) == 100                   # nothing new arrived
+    assert t.observe(5, 1350, now=0.04) == 0
+    t.add(300, now=0.04)
+    assert t.observe(5, 1350, now=3.0) == 0                       # never arrived: dropped
+    t.add(80, now=3.0)
+    assert t.observe(9, 0, now=3.01) == 80                        # a new decode: its own count
+    assert t.observe(9, 80, now=3.02) == 0
+
+
+def test_routes_in_transit_turn_a_burst_of_short_prompts_remote():
+    """kv_transfer's view during a burst: the backlog decode published has not grown
+    yet, but what was routed to it has."""
+    from tandem.backends.disagg.decode_load import InTransit
+    policy, t, routes = RoutingPolicy(), InTransit(), []
+    for i in range(12):
+        backlog = DecodeLoad(prefill_tokens=0 + t.observe(writer=1, taken_in=0, now=i * 1e-3))
+        route = choose_path(250, PrefillLoad(), backlog, policy)
+        if route.path == LOCAL:
+            t.add(250, now=i * 1e-3)
+        routes.append(route.reason)
+    assert routes == ["short_prompt"] * 8 + ["decode_busy"] * 4    # 8 x 250 = 2000 <= 2048
+
+
+def test_step_hook_counts_the_prompt_tokens_it_takes_in_once():
+    from tandem.backends.disagg.decode_load import DecodeLoadBoard, DecodeStepHook
+    from tandem.backends.engine.sequence import Sequence
+
+    class Sched:
+        waiting = [Sequence("local", [1] * 30, None, frozenset()),
+                   Sequence("remote", [1] * 40, None, frozenset(), num_computed=39)]
+        running: list = []
+
+    class Engine:
+        scheduler = Sched()
+
+    name = f"tandem-test-taken-{os.getpid()}"
+    board = DecodeLoadBoard(name, create=True)
+    try:
+        hook = DecodeStepHook(Engine(), None, board, threads=1, idle_threads=1)
+        hook()
+        assert board.taken_in() == (os.getpid(), 30) and board.read() == DecodeLoad(31)
+        Sched.running, Sched.waiting = Sched.waiting, []          # scheduled
+        hook()
+        Sched.running[1].num_computed = 0                         # preempted: recomputes,
+        Sched.running, Sched.waiting = Sched.running[:1], Sched.running[1:]   # not new
+        hook()
+        assert board.taken_in() == (os.getpid(), 30)
+        Sched.waiting = Sched.waiting + [Sequence("local2", [1] * 7, None, frozenset())]
+        hook()
+        assert board.taken_in()[1] == 37
+    finally:
+        board.close(unlink=True)
