@@ -369,8 +369,9 @@ class SharedKVPool:
 
     def backlog(self) -> tuple[int, int]:
         """``(reservations, pages)`` still RESERVED: KV the prefill side has yet to
-        deliver. Read without the lock: a hint (for routing), not a decision."""
-        reserved = self._ctl.slot_state == RESERVED
+        deliver (a doomed one will deliver nothing). Read without the lock: a hint (for
+        routing), not a decision."""
+        reserved = (self._ctl.slot_state == RESERVED) & (self._ctl.slot_error == OK)
         return int(reserved.sum()), int(self._ctl.slot_pages[reserved].sum())
 
     def stats(self) -> PoolStats:

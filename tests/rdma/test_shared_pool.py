@@ -45,7 +45,9 @@ def test_a_doomed_reservation_reads_failed_at_once_and_keeps_its_pages_until_fai
     pool = make_pool([MODEL], num_pages=8, fail_grace_s=30.0)
     slot, gen, _ = pool.reserve(4, expected_ops=3, timeout_s=5)
     pool.add_completed(slot)
+    assert pool.backlog() == (1, 4)
     assert pool.doom(slot, gen, TIMEOUT)
+    assert pool.backlog() == (0, 0)                       # no KV is coming for it
     st = pool.poll(slot, gen)
     assert st.failed and st.error == TIMEOUT and "transfer timeout" in st.reason
     assert pool.stats().reserved == 4 and pool.try_alloc(5) is None   # still held
