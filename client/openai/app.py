@@ -371,9 +371,14 @@ def _error_handlers(app: FastAPI) -> None:
     async def validation_error(_request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":   # its loc is a byte offset, not a field
+            error = (first.get("ctx") or {}).get("error", "")
+            message = f"the request body is not valid JSON ({error}; at character {first['loc'][-1]})"
+            return JSONResponse(OpenAIError(400, message, code="invalid_json").body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        msg = first["msg"].removeprefix("Value error, ")   # our validators' own messages
+        message = f"{param}: {msg}" if param else msg
         if "input" in first and param and not isinstance(first["input"], (dict, list)):
             message += f" (got {first['input']!r})"
         return JSONResponse(OpenAIError(400, message, param=param, code="invalid_value").body(), status_code=400)

@@ -40,9 +40,21 @@ class FrontendMetrics:
         return generate_latest(self.registry)
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OTHER = "other"   # every path the API does not serve: one label, whatever a client sends
+
+
 def endpoint_of(path: str) -> str:
-    """The label of a path: ``/v1/models/x`` counts as ``/v1/models``."""
-    return "/v1/models" if path.startswith("/v1/models") else path
+    """The label of a path: ``/v1/models/x`` counts as ``/v1/models``; a path the API does
+    not serve counts as ``other`` (a label per path would let any client grow the series
+    without bound).
+
+    >>> endpoint_of("/v1/models/tandem"), endpoint_of("/v1/completions"), endpoint_of("/v1/x123")
+    ('/v1/models', '/v1/completions', 'other')
+    """
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
+    return path if path in ENDPOINTS else OTHER
 
 
 class MetricsMiddleware:

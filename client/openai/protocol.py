@@ -17,11 +17,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # OpenAI's limits where it has them; the ensemble's own where it is stricter
 MAX_N = 16              # choices per request: each is its own stream to the ensemble
 MAX_LOGPROBS = 1        # only the sampled token's log probability comes back (no alternatives)
+INT32_MAX = 2 ** 31 - 1  # the ensemble's integer inputs are INT32: a larger value would wrap
 
 
 class OpenAIError(Exception):
@@ -48,6 +49,20 @@ def invalid(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+def utf8_text(value):
+    """A string field's value, if every string in it is text UTF-8 can carry. JSON may
+    spell a lone UTF-16 surrogate (``"\\ud800"``), which no text is made of and which
+    would fail later, as a 500, where the prompt is encoded."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid Unicode text: a lone UTF-16 surrogate "
+                                 f"({text[e.start]!r}) at character {e.start}") from None
+    return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -57,7 +72,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -70,9 +85,11 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions vLLM and SGLang accept too (sent to the ensemble when it declares them)
-    top_k: int | None = Field(default=None, ge=0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0)
+
+    _stop_is_text = field_validator("stop")(utf8_text)
 
     def stop_words(self) -> list[str]:
         words = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -96,6 +113,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+
+    _prompt_is_text = field_validator("prompt", "suffix")(utf8_text)
 
     def prompts(self) -> list[str]:
         """The text prompts; token-id prompts are refused (the text ensemble takes text)."""
@@ -128,12 +147,16 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
 
+    _text_is_text = field_validator("text")(utf8_text)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    _content_is_text = field_validator("content", "name")(utf8_text)
 
     def text(self) -> str:
         """The message's text: a string, or the text parts of a content list joined."""
@@ -149,7 +172,7 @@ class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

@@ -24,7 +24,10 @@ DEMO = "checkpoints/demo/target"
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("temperature", 2.5),
                                          ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 17), ("seed", -1),
                                          ("presence_penalty", 3), ("frequency_penalty", -2.5),
-                                         ("logprobs", 6), ("top_k", -1)])
+                                         ("logprobs", 6), ("top_k", -1),
+                                         # INT32 inputs: larger values would wrap around
+                                         ("max_tokens", 2 ** 32 + 5), ("top_k", 2 ** 32 + 1),
+                                         ("min_tokens", 2 ** 31)])
 def test_out_of_range_fields_are_refused_by_name(field, value):
     with pytest.raises(ValidationError) as e:
         CompletionRequest(model="m", prompt="x", **{field: value})
@@ -196,11 +199,12 @@ def steps(*texts, reason="length", prompt_tokens=3):
     return out + [EnsembleResponse(final=True)]
 
 
-def call(app, path, body=None, method="POST"):
-    """One request through the ASGI app: (status, parsed JSON or the SSE data lines)."""
+def call(app, path, body=None, method="POST", raw: bytes | None = None):
+    """One request through the ASGI app: (status, parsed JSON or the SSE data lines);
+    ``raw``: the body as sent, instead of ``body`` as JSON."""
     async def run():
-        messages = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"",
-                     "more_body": False}]
+        data = raw if raw is not None else json.dumps(body).encode() if body else b""
+        messages = [{"type": "http.request", "body": data, "more_body": False}]
         sent = []
 
         async def receive():
@@ -326,6 +330,23 @@ def test_errors_are_openai_json_with_the_status(stream):
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
 
+def test_text_that_is_not_unicode_and_a_body_that_is_not_json_are_400s():
+    """JSON can spell a lone UTF-16 surrogate; no text is made of one (it used to be a
+    500 where the prompt was encoded). A broken body names no field."""
+    app = app_with(FakeBackend(lambda a: steps("a")))
+    for path, body, param in [
+            ("/v1/completions", dict(model="tandem", prompt="a\ud800b"), "prompt"),
+            ("/v1/completions", dict(model="tandem", prompt="p", stop=["\udfff"]), "stop"),
+            ("/v1/chat/completions", dict(model="tandem", messages=[{"role": "user", "content": "\ud83d"}]),
+             "messages.0.content")]:
+        status, out = call(app, path, body)
+        assert status == 400 and out["error"]["param"] == param, out
+        assert "lone UTF-16 surrogate" in out["error"]["message"] and "Value error" not in out["error"]["message"]
+    status, out = call(app, "/v1/completions", raw=b'{"model": "tandem", "prompt": ')
+    assert status == 400 and out["error"]["param"] is None and out["error"]["code"] == "invalid_json", out
+    assert out["error"]["message"].startswith("the request body is not valid JSON")
+
+
 def test_an_error_after_the_stream_started_is_an_error_event_then_done():
     backend = FakeBackend(lambda a: [EnsembleResponse("a", "", 1, 1), upstream_error("internal error: boom")])
     status, events = call(app_with(backend), "/v1/completions", dict(model="tandem", prompt="p", stream=True))
@@ -345,6 +366,12 @@ def test_models_health_metrics_and_unknown_paths():
     text = call(app, "/metrics", method="GET")[1]
     assert 'tandem_openai_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert 'tandem_openai_errors_total{endpoint="/v1/models",status="404"} 1.0' in text
+    # every path the API does not serve is one series, whatever a client invents
+    for path in ("/v1/rand1", "/v1/rand2"):
+        call(app, path)
+    text = call(app, "/metrics", method="GET")[1]
+    assert "/v1/rand" not in text and "/v1/nothing" not in text
+    assert 'tandem_openai_errors_total{endpoint="other",status="404"} 3.0' in text   # /v1/nothing too
     assert "tandem_openai_request_seconds_bucket" in text
 
 
