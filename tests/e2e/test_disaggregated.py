@@ -206,6 +206,9 @@ BAD_TEXT_REQUESTS = {
     "wrong dtype": ("max_tokens", dict(text_input=HELLO, max_tokens=_one(4.0, np.float32))),
     "wrong shape": ("text_input", dict(text_input=np.array([[b"a", b"b"]], dtype=object))),
     "invalid UTF-8": ("text_input", dict(text_input=_one(b"\xff\xfe", object))),
+    # Triton counts a request's inputs, not which ones: without text_input an ensemble
+    # whose first step needs it would end with no response and no error
+    "no text_input": ("text_input", dict(max_tokens=_one(4, np.int32))),
 }
 BAD_TOKEN_REQUESTS = {
     "empty input_ids": ("input_ids", dict(input_ids=np.zeros((1, 0), dtype=np.int32))),
@@ -213,6 +216,7 @@ BAD_TOKEN_REQUESTS = {
     "prompt over the context": ("input_ids", dict(input_ids=np.full((1, 2048), 5, dtype=np.int32))),
     "max_tokens above the context": ("max_tokens", dict(input_ids=np.full((1, 2040), 5, dtype=np.int32),
                                                         max_tokens=_one(9, np.int32))),
+    "no input_ids": ("input_ids", dict(max_tokens=_one(4, np.int32))),
 }
 
 
@@ -226,6 +230,13 @@ def test_bad_input_returns_an_error_naming_the_field(server, model, case):
     # (dtype, shape) name the input in quotes
     assert re.search(rf"(, {field}: |'{field}')", error.message()), error.message()
     assert server.is_ready()
+
+
+def test_a_request_with_no_inputs_is_refused(server):
+    # with every input optional, Triton's own check (which named the missing one) no
+    # longer applies; its ensemble still refuses, saying there are none
+    result, error = first_answer(server.grpc_url, DISAGG, [])
+    assert error is not None and "0 inputs" in error.message(), error
 
 
 def test_the_server_is_healthy_after_bad_input(server, reference):
