@@ -8,6 +8,15 @@ reserved pages (the descriptor carries the receiver's worker address). One prefi
 server can so feed several decode servers; a decode server spreads its jobs over its
 endpoints round robin, skipping one that fails.
 
+A prefill server acks a job at once (it only queues it), so a job waits at most
+:data:`ACK_TIMEOUT_S` for its ack: this model serves the decode server's local-path
+requests too (they pass through it), and a prefill server that hangs must not stall
+them for long. An endpoint that fails is then skipped for a while
+(:class:`EndpointHealth`): briefly when it refused the connection (a restarted server
+is used again within a second, on a fresh channel: gRPC's own reconnect backoff grows
+with the outage), longer, doubling, when it timed out (each probe of a hung server
+costs one job its ack timeout).
+
 >>> r = PrefillRouter(["10.0.0.5:8001", "10.0.0.6:8001"])    # doctest: +SKIP
 >>> r.submit(input_ids, kv_descriptor)                         # doctest: +SKIP
 """
@@ -15,16 +24,48 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import numpy as np
 
 from .disagg_common import INPUT_IDS, KV_DESCRIPTOR
 
 PREFILL_MODEL = "prefill"
+ACK_TIMEOUT_S = 3.0          # a healthy prefill server acks in milliseconds
+REFUSED_DOWN_S = 1.0         # skip an endpoint that refused the connection this long
+HUNG_DOWN_S = (2.0, 30.0)    # ... one that timed out: from, doubling up to
 
 
 class PrefillUnavailable(RuntimeError):
     """No prefill endpoint accepted the job; the message lists each endpoint's error."""
+
+
+class EndpointHealth:
+    """When one endpoint is worth trying again (pure: the caller passes the time).
+
+    >>> h = EndpointHealth()
+    >>> h.failed(hung=True, now=0.0); h.down_for(1.0), h.down_for(2.5)
+    (1.0, 0.0)
+    >>> h.failed(hung=True, now=3.0); h.down_for(3.0)     # doubled
+    4.0
+    >>> h.succeeded(); h.failed(hung=False, now=10.0); h.down_for(10.0)
+    1.0
+    """
+
+    def __init__(self):
+        self.until, self.hung_s, self.last_error = 0.0, 0.0, ""
+
+    def down_for(self, now: float) -> float:
+        return max(0.0, self.until - now)
+
+    def failed(self, hung: bool, now: float, error: str = "") -> None:
+        if hung:
+            self.hung_s = min(HUNG_DOWN_S[1], max(HUNG_DOWN_S[0], 2 * self.hung_s))
+        self.until = now + (self.hung_s if hung else REFUSED_DOWN_S)
+        self.last_error = error
+
+    def succeeded(self) -> None:
+        self.until, self.hung_s = 0.0, 0.0
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -45,11 +86,12 @@ def parse_endpoints(text: str) -> list[str]:
 
 
 class PrefillRouter:
-    def __init__(self, endpoints: list[str], timeout_s: float = 30.0, model: str = PREFILL_MODEL):
+    def __init__(self, endpoints: list[str], timeout_s: float = ACK_TIMEOUT_S, model: str = PREFILL_MODEL):
         if not endpoints:
             raise ValueError("prefill_endpoints: at least one host:port is needed")
         self.endpoints, self.timeout_s, self.model = list(endpoints), timeout_s, model
         self._clients: dict[str, object] = {}
+        self._health = {url: EndpointHealth() for url in self.endpoints}
         self._next = itertools.cycle(range(len(self.endpoints)))
         self._lock = threading.Lock()
 
@@ -60,6 +102,22 @@ class PrefillRouter:
             if c is None:
                 c = self._clients[url] = grpcclient.InferenceServerClient(url)
             return c
+
+    def _failed(self, url: str, error: Exception) -> str:
+        """Mark ``url`` down (unless the server refused this job itself); its channel
+        is dropped, so the next try connects afresh."""
+        status = str(error.status()) if hasattr(error, "status") else ""
+        text = error.message() if hasattr(error, "message") else str(error)
+        if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or not status:
+            with self._lock:
+                self._health[url].failed("DEADLINE_EXCEEDED" in status, time.monotonic(), text)
+                client = self._clients.pop(url, None)
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:   # noqa: BLE001 - a broken channel closes as it can
+                    pass
+        return f"{url}: {text}"
 
     def submit(self, input_ids: np.ndarray, kv_descriptor: np.ndarray) -> str:
         """Hand one job to a prefill server; returns the endpoint that took it."""
@@ -75,12 +133,23 @@ class PrefillRouter:
         errors = []
         for i in range(len(self.endpoints)):
             url = self.endpoints[(start + i) % len(self.endpoints)]
+            with self._lock:
+                health = self._health[url]
+                down = health.down_for(time.monotonic())
+            if down:
+                errors.append(f"{url}: skipped for {down:.1f} s more ({health.last_error})")
+                continue
             try:
                 self._client(url).infer(self.model, inputs, client_timeout=self.timeout_s)
-                return url
-            except Exception as e:   # unreachable, or the prefill server refused the job
-                errors.append(f"{url}: {e.message() if hasattr(e, 'message') else e}")
-        raise PrefillUnavailable("no prefill server took the job: " + "; ".join(errors))
+            except Exception as e:   # unreachable, hung, or the prefill server refused the job
+                errors.append(self._failed(url, e))
+                continue
+            with self._lock:
+                health.succeeded()
+            return url
+        # UNAVAILABLE (the model says so): the OpenAI frontend and clients read "retry"
+        raise PrefillUnavailable("unavailable: no prefill server took the job: " + "; ".join(errors)
+                                 + "; retry")
 
     def close(self) -> None:
         with self._lock:

@@ -73,6 +73,38 @@ def test_one_prefill_server_feeds_two_decode_servers(servers, reference):
         assert metric(srv, "tandem_kv_received_bytes_total", "kv_transfer") > 0
 
 
+def test_a_hung_prefill_server_is_skipped_then_used_again_when_it_answers(servers, reference):
+    """SIGSTOP: the prefill server accepts connections and answers nothing. The job
+    waiting for its ack fails after the ack timeout; the next ones skip the endpoint
+    at once (UNAVAILABLE, "retry") instead of each waiting; the decode server stays
+    ready; once the prefill server answers again, it is used again."""
+    import os
+    import signal
+    prefill, decoders = servers
+    srv = decoders[0]
+    os.kill(prefill.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(GenerateError, match="unavailable: no prefill server took the job.*retry"):
+            _text(srv, PROMPTS[0])
+        with pytest.raises(GenerateError, match="skipped for .* s more"):
+            _text(srv, PROMPTS[0])
+        assert srv.is_ready()
+    finally:
+        os.kill(prefill.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert _text(srv, PROMPTS[0]) == reference[PROMPTS[0]]
+            break
+        except GenerateError as e:
+            assert time.monotonic() < deadline, f"the prefill server was never used again: {e}"
+            time.sleep(0.5)
+    deadline = time.monotonic() + 40    # the failed jobs' reservations time out and go back
+    while metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") != 0:
+        assert time.monotonic() < deadline, "the failed jobs' reservations were never freed"
+        time.sleep(0.6)
+
+
 def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path, demo_checkpoint):
     dead = f"127.0.0.1:{free_port()}"
     stack = []
