@@ -8,23 +8,38 @@ The command line only: the settings are :class:`~tandem.client.serve_options.Ser
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tandem.backends.kv_cache.pages import KV_LAYOUTS
 from tandem.backends.models.config import DTYPES
-from tandem.backends.speculative.config import METHODS, NO_SPECULATION
+from tandem.backends.speculative.config import METHODS, NO_SPECULATION, SpeculativeConfig
 
 from . import env_defaults
-from .serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
+from .paths import DEMO_CHECKPOINTS
+from .serve_options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
 from .openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from .openai.frontend import FrontendError, start_for
 from .triton_server import TritonServer
 
 # below Kubernetes' default grace period (30 s) with room for the server's own stop
 DRAIN_TIMEOUT_S = 20.0
+HURRY_STOP_S = 2.0   # Ctrl-C: the models' finalize gets this long, then the server is killed
+TRITON_PORTS = ("--http-port", "--grpc-port", "--metrics-port")
+# the options only some --spec methods read (option: its setting, those methods): set
+# with another method they would do nothing
+SPEC_OPTIONS = {
+    "--k": ("num_speculative_tokens", METHODS),
+    "--draft-model": ("draft_model", ("draft_target",)),
+    "--mtp-head": ("mtp_head", ("mtp",)),
+    "--draft-vocab-size": ("draft_vocab_size", ("draft_target", "mtp")),
+}
+# the proposer checkpoint of a --spec method: its option, setting and demo checkpoint
+PROPOSERS = {"draft_target": ("--draft-model", "draft_model", "draft"), "mtp": ("--mtp-head", "mtp_head", "mtp")}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Start tritonserver with Tandem's model repository and wait for Ctrl-C (stop at once) "
                     "or SIGTERM (drain, then stop). Every option defaults to the environment variable "
                     "TANDEM_<OPTION> when that is set (--grpc-port: TANDEM_GRPC_PORT; a flag: 1 or 0); "
-                    "the command line wins."))
+                    "the command line wins."), check=check_args)
     p.add_argument("--model", dest="model_dir", help="HF checkpoint directory (default: checkpoints/demo/target "
                    "if trained, else an untrained demo checkpoint in .cache/demo-untrained)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -128,16 +143,82 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.num_pages < 0 or args.threads < 0:
-        raise SystemExit("--num-pages and --threads must be >= 0 (0 = automatic)")
-    if args.draft_vocab_size < 0 or (args.draft_vocab_size and args.spec_method not in ("draft_target", "mtp")):
-        raise SystemExit("--draft-vocab-size must be >= 0 (0 = all tokens) and needs --spec draft_target or mtp")
+def check_args(args: argparse.Namespace, given: Callable[[str], str]) -> None:
+    """Refuse, as the options are parsed and before anything starts, what tritonserver or
+    the engine would refuse only once started (or would ignore): a ValueError naming the
+    option as ``given`` names it (``--k 20``, or ``TANDEM_K='20' (the default of --k)``).
+    """
+    for option in ("--page-size", "--max-num-seqs", "--max-num-batched-tokens"):
+        if getattr(args, _dest(option)) < 1:
+            raise ValueError(f"{given(option)}: must be >= 1")
+    for option in ("--num-pages", "--threads"):
+        if getattr(args, _dest(option)) < 0:
+            raise ValueError(f"{given(option)}: must be >= 0 (0 = automatic)")
+    if args.draft_vocab_size < 0:
+        raise ValueError(f"{given('--draft-vocab-size')}: must be >= 0 (0 = all tokens)")
     if args.drain_timeout < 0:
-        raise SystemExit("--drain-timeout must be >= 0 (0 = stop at once)")
+        raise ValueError(f"{given('--drain-timeout')}: must be >= 0 (0 = stop at once)")
+    _check_ports(args, given)
+    _check_speculation(args, given)
+    if args.faults:
+        from tandem.rdma.faults import ENV, Faults   # imports UCX: only when asked for
+        try:
+            Faults.parse(args.faults)
+        except ValueError as e:
+            raise ValueError(f"{given('--faults')}: {str(e).removeprefix(ENV + ': ')}") from None
+
+
+def _check_ports(args: argparse.Namespace, given: Callable[[str], str]) -> None:
+    # Triton takes any int and listens on it mod 65536; 0 would be "pick one" to TritonServer
+    for option in TRITON_PORTS:
+        if not 1 <= getattr(args, _dest(option)) <= 65535:
+            raise ValueError(f"{given(option)}: allowed: 1..65535")
+    if not 0 <= args.openai_port <= 65535:
+        raise ValueError(f"{given('--openai-port')}: allowed: 1..65535, or 0 (off)")
+    # the OpenAI API runs only in front of a text ensemble (not with --mode prefill)
+    enabled = TRITON_PORTS + (("--openai-port",) if args.openai_port and args.mode in TEXT_ENSEMBLE else ())
+    first: dict[int, str] = {}   # port -> the option that took it
+    for option in enabled:
+        port = getattr(args, _dest(option))
+        if port in first:
+            raise ValueError(f"{given(first[port])} and {given(option)}: the same port; "
+                             "allowed: a port of its own for each")
+        first[port] = option
+
+
+def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) -> None:
+    method, defaults = args.spec_method, ServeOptions()
+    try:   # the engine's own bounds of k (the same for every method; ngram needs no checkpoint)
+        SpeculativeConfig("ngram", args.num_speculative_tokens).validate()
+    except ValueError as e:
+        raise ValueError(f"{given('--k')}: {str(e).partition('; ')[2] or e}") from None
+    for option, (name, methods) in SPEC_OPTIONS.items():
+        if getattr(args, name) != getattr(defaults, name) and method not in methods:
+            needs = " or ".join(filter(None, (", ".join(methods[:-1]), methods[-1])))
+            raise ValueError(f"{given(option)}: needs --spec {needs}; with --spec {method} it does nothing")
+    if method not in PROPOSERS:
+        return
+    option, name, demo = PROPOSERS[method]
+    checkpoint = Path(getattr(args, name) or DEMO_CHECKPOINTS / demo)
+    what = given(option) if getattr(args, name) else f"{option} (default: {checkpoint})"
+    config = checkpoint / "config.json"
+    if not config.is_file():
+        found = "no config.json in it" if checkpoint.is_dir() else "not a directory"
+        raise ValueError(f"{what}: {found}; allowed: a checkpoint directory (config.json, model.safetensors)")
+    try:   # the proposer's vocabulary is the target's (checked when it loads)
+        vocab_size = int(json.loads(config.read_text())["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what}: {config} has no vocab_size ({e!r})") from None
+    if args.draft_vocab_size > vocab_size:
+        raise ValueError(f"{given('--draft-vocab-size')}: more than the model's vocabulary ({vocab_size} "
+                         f"tokens, {config}); allowed: 1..{vocab_size}, or 0 (all)")
+
+
+def _dest(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+def run(args: argparse.Namespace) -> int:
     options = ServeOptions(
         model_dir=args.model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
         kv_layout=args.kv_layout, max_num_seqs=args.max_num_seqs,
@@ -210,7 +291,9 @@ def run(args: argparse.Namespace) -> int:
         phase[0] = "stopping"
         if api is not None:
             api.stop()
-        server.cleanup()
+        # Ctrl-C or a second signal: streams still open are cut rather than waited for
+        # (tritonserver itself would wait --exit-timeout-secs for them)
+        server.cleanup(HURRY_STOP_S if hurry.is_set() else None)
         for s, handler in previous.items():
             signal.signal(s, handler)
 

@@ -46,6 +46,7 @@ from .triton_http import TritonHTTP, http_ok
 
 log = logging.getLogger("tandem.serve")
 SHM_DIR = Path("/dev/shm")
+PYTHON_ENV_DIR = "/tmp"   # where Triton's Python backend makes its python_env_* (hard-coded there)
 FAULTS_ENV = "TANDEM_FAULTS"
 # what this class names in /dev/shm: the stubs' regions (prefix per launch, keyed by the
 # launching process's pid) and the decode KV pool (keyed by tritonserver's pid:
@@ -109,6 +110,8 @@ class TritonServer:
     _launch_args: tuple = field(default=(), init=False, repr=False)
     _shm_prefixes: list = field(default_factory=list, init=False, repr=False)
     _server_pids: list = field(default_factory=list, init=False, repr=False)
+    _launched_at: float = field(default=0.0, init=False, repr=False)     # time.time() of the last launch
+    _killed_at: list = field(default_factory=list, init=False, repr=False)  # launches that were killed
     # held while the process is swapped (the supervisor's restart) or stopped
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -184,6 +187,7 @@ class TritonServer:
         # can remove the ones a killed stub (or a killed server) leaves in /dev/shm.
         prefix = f"tandem_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self._shm_prefixes.append(prefix)
+        self._launched_at = time.time()
         cmd = [
             str(layout.server_bin),
             f"--model-repository={repo}",
@@ -330,6 +334,7 @@ class TritonServer:
         pgid = proc.pid
         killpg(pgid, signal.SIGKILL)
         proc.wait()
+        self._killed_at.append(self._launched_at)
         kill_group(pgid)
         self.process = None
         self._server_pids.append(pgid)
@@ -354,19 +359,22 @@ class TritonServer:
                     except subprocess.TimeoutExpired:
                         killpg(pgid, signal.SIGKILL)
                         proc.wait()
+                        self._killed_at.append(self._launched_at)
                 kill_group(pgid)
                 self.process = None
                 self._server_pids.append(pgid)
         if self.supervisor is not None:
             self.supervisor.join(timeout_s=30)
         self._cleanup_shm()
+        self._cleanup_python_envs()
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
 
-    def cleanup(self) -> None:
-        """Stop, and remove the run directory if this object created it."""
-        self.stop()
+    def cleanup(self, timeout_s: float | None = None) -> None:
+        """Stop (``timeout_s``: as :meth:`stop`), and remove the run directory if this
+        object created it."""
+        self.stop(timeout_s)
         if self._owns_run_dir and self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -426,6 +434,19 @@ class TritonServer:
         return sorted(e.name for e in SHM_DIR.iterdir()
                       if any(e.name.startswith(p) for p in self._shm_prefixes)
                       or ((m := _POOL_FILE.match(e.name)) and int(m.group(1)) in pids))
+
+    def _cleanup_python_envs(self) -> None:
+        """Triton's Python backend makes an empty ``/tmp/python_env_*`` directory when it
+        starts and removes it when it exits, unless it is killed: remove the empty ones
+        made since a launch that had to be killed."""
+        while self._killed_at:
+            since = self._killed_at.pop()
+            for d in Path(PYTHON_ENV_DIR).glob("python_env_*"):
+                try:
+                    if d.stat().st_mtime >= since and not any(d.iterdir()):
+                        d.rmdir()
+                except OSError:
+                    pass   # gone already, or not empty after all
 
     def _cleanup_shm(self) -> None:
         """The regions of every launch whose server is gone, and their KV pool files."""

@@ -184,3 +184,43 @@ def test_sigterm_drains_the_streams_in_flight_then_exits_0(server):
     left = [n for n in os.listdir("/dev/shm")
             if n.startswith(f"tandem_{proc.pid}_") or n.startswith(f"tandem-kv-{triton_pid}-")]
     assert left == [], left
+
+
+def test_a_second_sigterm_cuts_the_drain_and_leaves_nothing(server):
+    """A second signal while draining (or Ctrl-C) stops at once: the open stream is cut
+    (a client error, not its last token), the server exits, and nothing of it is left —
+    processes, shared memory, nor the empty /tmp/python_env_* Triton's Python backend
+    leaves when it is killed."""
+    import glob
+
+    import tritonclient.grpc as grpcclient
+
+    proc, ports, triton_pid, lines, tmp = server
+    envs_before = set(glob.glob("/tmp/python_env_*"))
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("tandem", build_inputs("def main():", max_tokens=TOKENS, min_tokens=TOKENS,
+                                                     temperature=0.0), enable_empty_final_response=True)
+    result, error = results.get(timeout=120)
+    assert error is None, error
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not any(line.startswith("tandem: draining") for line in list(lines.queue)):
+        assert time.monotonic() < deadline, "no drain began"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    answers = []
+    while True:
+        result, error = results.get(timeout=30)
+        answers.append((result, error))
+        if error is not None or parse_response(result).final:
+            break
+    client.stop_stream()
+    client.close()
+    assert answers[-1][1] is not None, "the stream ran to its end: the second SIGTERM did not cut it"
+    assert stub_processes(tmp / "run") == []
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"tandem_{proc.pid}_")]
+    left = [d for d in set(glob.glob("/tmp/python_env_*")) - envs_before if not os.listdir(d)]
+    assert left == [], left
