@@ -1,5 +1,6 @@
-"""What the benchmarks share besides their reports (``bench_report``) and their
-server client (``streaming_client``): a timer, and the model and prompts the serving
+"""What the benchmarks share besides their reports (``bench_report``), their options'
+types (``bench_args``) and their server client (``streaming_client``): a timer, the
+run's temp dir and its servers' lifetimes, and the model and prompts the serving
 benchmarks send.
 
 >>> timed(lambda: sum(range(1000)), repeats=3) < 1.0
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def timed(fn, repeats: int = 1) -> float:
@@ -21,6 +26,37 @@ def timed(fn, repeats: int = 1) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@contextmanager
+def work_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
+    """A fresh temp dir for a run's servers, logs and tools' files, removed however the
+    run ends — an error or Ctrl-C too — unless ``keep``. Stop the servers inside the
+    ``with`` (an ExitStack there), so that none still writes into the dir it removes.
+
+    >>> with work_dir("tandem-doc-") as work:
+    ...     _ = (work / "server.log").write_text("x")
+    >>> work.exists()
+    False
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"kept the run's files in {path}", flush=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():   # a process outside our servers still wrote there
+                print(f"could not remove all of {path}", flush=True)
+
+
+def started(stack, server):
+    """``server`` (a :class:`~tandem.client.triton_server.TritonServer`) started, its
+    ``stop`` on ``stack`` before it starts: a start interrupted while the models load
+    (Ctrl-C) still stops what it launched (``stop`` is safe on a server never started)."""
+    stack.callback(server.stop)
+    return server.start()
 
 
 def long_context_copy(src: Path, dst: Path, max_len: int) -> Path:

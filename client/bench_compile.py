@@ -14,6 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
+from .bench_args import positive_int, positive_ints
 from .bench_repeats import fmt, spread
 from .bench_report import header, write
 from .paths import DEMO_CHECKPOINTS
@@ -21,11 +22,11 @@ from .paths import DEMO_CHECKPOINTS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--context", type=int, default=150, help="tokens already in each sequence's KV")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
+    p.add_argument("--context", type=positive_int, default=150, help="tokens already in each sequence's KV")
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of every variant")
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--out", type=Path, default=Path("docs/bench/compile.json"))
 
 
@@ -49,7 +50,7 @@ def run(args) -> int:
 
     page_size, results = 16, []
     pages_per_seq = -(-(args.context + 1) // page_size)
-    for batch in map(int, args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         model = load_model(args.target, "bfloat16")
         cfg, num_pages = model.config, batch * pages_per_seq + 1
         pool = KVPagePool.for_model(cfg, num_pages, page_size, torch.bfloat16, "HND", "cpu")

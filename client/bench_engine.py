@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .bench_args import at_least, positive_int, positive_ints
 from .bench_common import timed
 from .bench_report import command, save_figure, write
 
@@ -23,11 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint dir (default: checkpoints/demo/target, else a generated "
                         "fixed-size random Llama in .cache/bench-llama)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--batch-sizes", default="1,8,16,32")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--repeats", type=int, default=2, help="best of N timings")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8,16,32")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    # decode tokens/s is timed as t(N) - t(1): one new token is no decode
+    p.add_argument("--new-tokens", type=at_least(2), default=64)
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=positive_int, default=2, help="best of N timings")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -82,7 +84,7 @@ def run(args) -> int:
           f"{args.dtype}, {args.threads} threads, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens")
     print(f"{'batch':>5} {'tandem tok/s':>13} {'HF tok/s':>10} {'ratio':>6}")
-    for b in map(int, args.batch_sizes.split(",")):
+    for b in args.batch_sizes:
         prompts = torch.randint(3, cfg.vocab_size, (b, args.prompt_len), generator=g).tolist()
         ours = tandem_decode_tps(model_dir, args.dtype, prompts, args.new_tokens, args.repeats)
         hf = hf_decode_tps(model_dir, args.dtype, prompts, args.new_tokens, args.repeats)

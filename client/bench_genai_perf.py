@@ -8,7 +8,8 @@ genai-perf 0.0.8 (the ``genai`` extra: ``pip install -e '.[genai]'``) drives the
 perf_analyzer of the tritonclient 2.51 wheel (it must be on PATH, with the libraries
 ``scripts/install_perf_analyzer_deps.sh`` links: :func:`~tandem.client.perf_analyzer.analyzer_env`).
 Writes a JSON report, a Markdown table and a plot (``docs/bench/genai_perf.*``); genai-perf's
-own files stay in a temp dir whose path the report names.
+own files go in a temp dir, removed at the end unless ``--keep-work`` (the report then
+names it).
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
+from .bench_args import names, positive_int, positive_ints
+from .bench_common import started, work_dir
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
 
@@ -36,14 +39,17 @@ COLUMNS = (("request_throughput", "avg", "req/s"), ("output_token_throughput", "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--targets", default=",".join(TARGETS),
-                   help="triton (the ensemble over gRPC), completions, chat (the OpenAI API)")
-    p.add_argument("--concurrency", default="1,4")
-    p.add_argument("--input-tokens", type=int, default=64, help="synthetic prompt length (tokens)")
-    p.add_argument("--output-tokens", type=int, default=48, help="max_tokens of each request")
-    p.add_argument("--measurement-interval", type=int, default=8000, help="ms per perf_analyzer window")
+    p.add_argument("--targets", type=names(*TARGETS), default=",".join(TARGETS),
+                   help="comma-separated: triton (the ensemble over gRPC), completions, chat (the OpenAI API)")
+    p.add_argument("--concurrency", type=positive_ints, default="1,4")
+    p.add_argument("--input-tokens", type=positive_int, default=64, help="synthetic prompt length (tokens)")
+    p.add_argument("--output-tokens", type=positive_int, default=48, help="max_tokens of each request")
+    p.add_argument("--measurement-interval", type=positive_int, default=8000,
+                   help="ms per perf_analyzer window")
     p.add_argument("--spec", default="none", choices=["none", "mtp", "draft_target"])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of genai-perf's files and the server's log (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -151,19 +157,16 @@ def run(args: argparse.Namespace) -> int:
     from .triton_server import TritonServer, free_port
 
     genai_perf_binary()
-    targets = [t for t in args.targets.split(",") if t]
-    bad = set(targets) - set(TARGETS)
-    if bad:
-        raise SystemExit(f"--targets: {', '.join(sorted(bad))}; allowed: {', '.join(TARGETS)}")
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-genai-perf-"))
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, spec_method=args.spec)
     rows, commands = [], []
     print("starting tritonserver and the OpenAI API", flush=True)
-    with TritonServer(options, run_dir=work / "server", log_file=work / "server.log", ready_timeout_s=600) as server, \
-            OpenAIFrontend(server.grpc_url, ["tandem"], args.model, port=free_port()) as api:
+    with work_dir("tandem-bench-genai-perf-", keep=args.keep_work) as work, ExitStack() as stack:
+        server = started(stack, TritonServer(options, run_dir=work / "server", log_file=work / "server.log",
+                                             ready_timeout_s=600))
+        api = stack.enter_context(OpenAIFrontend(server.grpc_url, ["tandem"], args.model, port=free_port()))
         openai_url = api.base_url.removeprefix("http://").removesuffix("/v1")
-        for target in targets:
-            for c in (int(x) for x in args.concurrency.split(",")):
+        for target in args.targets:
+            for c in args.concurrency:
                 artifacts = work / f"{target}-c{c}"
                 cmd = command(target, c, args, server.grpc_url, openai_url, "tandem", artifacts)
                 commands.append(shown(cmd, work))
@@ -174,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
                       f"TTFT avg={r['time_to_first_token_avg']:7.1f} ms  "
                       f"ITL avg={r['inter_token_latency_avg']:6.1f} ms", flush=True)
     report = {**header("genai-perf", args), "versions": versions(), "genai_perf_commands": commands,
-              "genai_perf_files (WORK)": str(work), "units": "ms for latencies", "results": rows}
+              "genai_perf_files (WORK)": str(work) if args.keep_work else None,
+              "units": "ms for latencies", "results": rows}
     write(report, args.out)
     md = args.out.with_suffix(".md")
     md.write_text(f"# genai-perf ({report['date']})\n\n{report['machine']}\n\n`{report['command']}`\n\n"
@@ -182,5 +186,5 @@ def run(args: argparse.Namespace) -> int:
                   f"{report['versions']['perf_analyzer']}; its commands:\n\n"
                   + "\n".join(f"    {c}" for c in commands) + "\n")
     print(table(rows))
-    print(f"wrote {args.out}, {md}, {plot(rows, args.out, report)} (genai-perf's files in {work})")
+    print(f"wrote {args.out}, {md}, {plot(rows, args.out, report)}")
     return 0

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from .bench_args import names, non_negative_int, positive_int, positive_ints
+from .bench_common import work_dir
 from .bench_repeats import (error_bars, fmt, interleaved, ratio_to_best, start_server,
                             summarize_runs)
 from .bench_report import header, save_figure, write
@@ -36,15 +37,18 @@ KEYS = ["throughput_per_s", "output_tok_s", "decode_tok_s_median", "first_respon
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--concurrency", default="1,2,4,8,16")
-    p.add_argument("--request-count", type=int, default=48, help="requests per concurrency level")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
+    p.add_argument("--request-count", type=positive_int, default=48, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--spec", default="none", choices=["none", "mtp", "draft_target", "ngram"])
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=non_negative_int, default=0,
                    help="torch threads per engine (0: all cores colocated, half each disaggregated)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--modes", default="colocated,disaggregated,conditional")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per mode and level, interleaved")
+    p.add_argument("--modes", type=names(*MODES), default=",".join(MODES),
+                   help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measurements per mode and level, interleaved")
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of the servers' logs and perf_analyzer's files (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -168,18 +172,17 @@ def plot(report: dict, out: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-load-"))
-    modes = args.modes.split(",")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    with ExitStack() as stack:
-        servers = start_servers(stack, modes, args, work)
-        runs = interleaved(levels, modes, args.repeats,
-                           lambda mode, c, rep: measure(servers[mode], mode, c, rep, args, work))
+    modes, levels = list(args.modes), list(args.concurrency)
+    with work_dir("tandem-bench-load-", keep=args.keep_work) as work:
+        with ExitStack() as stack:   # the servers stop before the work dir goes
+            servers = start_servers(stack, modes, args, work)
+            runs = interleaved(levels, modes, args.repeats,
+                               lambda mode, c, rep: measure(servers[mode], mode, c, rep, args, work))
     results = {m: {str(c): summarize_runs(runs[m][c], KEYS) for c in levels} for m in modes}
-    report = {**header("load", args), "perf_analyzer_files": str(work), "levels": levels,
-              "repeats": args.repeats, "results": results,
+    report = {**header("load", args), "perf_analyzer_files": str(work) if args.keep_work else None,
+              "levels": levels, "repeats": args.repeats, "results": results,
               "ratios": ratios({"runs": runs}, levels)}
     write(report, args.out)
     print(table(report))
-    print(f"wrote {args.out}, {plot(report, args.out)} (perf_analyzer's own files in {work})")
+    print(f"wrote {args.out}, {plot(report, args.out)}")
     return 0

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from .bench_args import positive_int, positive_ints
 from .bench_report import header, write
 from .paths import DEMO_CHECKPOINTS
 
@@ -33,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per verify step")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
+    p.add_argument("--k", type=positive_int, default=3, help="draft tokens per verify step")
+    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--out", type=Path, default=Path("docs/bench/profile.json"))
 
 
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     report = header("profile", args)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(8)]
     rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch in args.batch_sizes:
         for kind, spec in (("decode", None),
                            ("verify", SpeculativeConfig("draft_target", args.k, draft_model=str(args.draft)))):
             llm = LLM(args.target, dtype=args.dtype, speculative=spec, max_num_seqs=max(8, batch))

@@ -33,15 +33,16 @@ def interleaved(points: list, modes: list[str], repeats: int,
 
 
 def start_server(stack, options, run_dir, log_file, attempts: int = 2):
-    """A started :class:`~tandem.client.triton_server.TritonServer` on ``stack``; a start
-    that fails (tritonserver 2.51 now and then aborts while loading on a busy host) is
-    tried again."""
+    """A started :class:`~tandem.client.triton_server.TritonServer` on ``stack`` (stopped
+    with it, also when its start is interrupted); a start that fails (tritonserver 2.51
+    now and then aborts while loading on a busy host) is tried again."""
+    from .bench_common import started
     from .serve_options import ServerError
     from .triton_server import TritonServer
     for attempt in range(attempts):
         try:
-            return stack.enter_context(TritonServer(options, run_dir=run_dir / f"try{attempt}",
-                                                    log_file=log_file, ready_timeout_s=600))
+            return started(stack, TritonServer(options, run_dir=run_dir / f"try{attempt}",
+                                               log_file=log_file, ready_timeout_s=600))
         except ServerError as e:
             if attempt == attempts - 1:
                 raise

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,10 +24,19 @@ def header(name: str, args: argparse.Namespace) -> dict:
 
 
 def command(name: str, args: argparse.Namespace) -> str:
-    """The ``tandem bench`` command line that reproduces the run, every option spelt out."""
-    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                       if k not in ("func", "command", "benchmark") and v is not None)
-    return f"tandem bench {name} {options}"
+    """The ``tandem bench`` command line that reproduces the run, every option spelt out
+    (a flag only when set; values quoted for the shell).
+
+    >>> command("load", argparse.Namespace(modes="colocated,conditional", keep_work=False, spec=""))
+    "tandem bench load --modes colocated,conditional --spec ''"
+    """
+    options = []
+    for k, v in vars(args).items():
+        if k in ("func", "command", "benchmark") or v is None or v is False:
+            continue
+        option = f"--{k.replace('_', '-')}"
+        options.append(option if v is True else f"{option} {shlex.quote(str(v))}")
+    return f"tandem bench {name} {' '.join(options)}"
 
 
 def write(report: dict, out: Path) -> None:

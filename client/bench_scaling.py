@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from .bench_common import long_context_copy, prompt_texts
+from .bench_args import cpu_list, positive_float, positive_int, positive_ints
+from .bench_common import long_context_copy, prompt_texts, work_dir
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
 from .streaming_client import StreamingClient, closed_loop
@@ -27,19 +26,19 @@ DEFAULT_OUT = Path("docs/bench/scaling.json")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--decoders", default="1,2,3", help="decode servers per run")
-    p.add_argument("--streams", type=int, default=4, help="requests in flight per decode server")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--duration", type=float, default=40.0, help="seconds measured per run")
-    p.add_argument("--prefill-cpus", default="0")
-    p.add_argument("--decode-cpus", default="1")
+    p.add_argument("--decoders", type=positive_ints, default="1,2,3", help="decode servers per run")
+    p.add_argument("--streams", type=positive_int, default=4, help="requests in flight per decode server")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--duration", type=positive_float, default=40.0, help="seconds measured per run")
+    p.add_argument("--prefill-cpus", type=cpu_list, default="0",
+                   help="CPUs the prefill server runs on, comma-separated ('' for any)")
+    p.add_argument("--decode-cpus", type=cpu_list, default="1",
+                   help="CPUs each decode server runs on, comma-separated ('' for any)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of the servers' logs (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-
-
-def _cpus(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> dict:
@@ -50,14 +49,14 @@ def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> di
     servers = []
     try:
         prefill = TritonServer(ServeOptions(mode="prefill", **common), run_dir=work / f"p{n}",
-                               log_file=work / f"p{n}.log", cpus=_cpus(args.prefill_cpus),
+                               log_file=work / f"p{n}.log", cpus=tuple(args.prefill_cpus),
                                ready_timeout_s=600)
         servers.append(prefill)
         prefill.start()
         for i in range(n):
             d = TritonServer(ServeOptions(prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **common),
                              run_dir=work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
-                             cpus=_cpus(args.decode_cpus), ready_timeout_s=600)
+                             cpus=tuple(args.decode_cpus), ready_timeout_s=600)
             servers.append(d)
             d.start()
         clients = [StreamingClient(s.grpc_url, "tandem") for s in servers[1:]]
@@ -111,18 +110,16 @@ def plot(runs: list[dict], out: Path, report: dict) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-scaling-"))
-    try:
+    # run_one stops its servers (also when interrupted) before the work dir goes
+    with work_dir("tandem-bench-scaling-", keep=args.keep_work) as work:
         model_dir = long_context_copy(args.model, work / "model",
                                       args.prompt_tokens + args.max_tokens + 64)
         prompts = prompt_texts(model_dir, [args.prompt_tokens] * 8)
-        runs = [run_one(int(n), args, model_dir, work, prompts) for n in args.decoders.split(",")]
-        report = {**header("scaling", args), "runs": runs,
-                  "cluster_model": cluster_model(runs, args.prompt_tokens, args.max_tokens)}
-        write(report, args.out)
-        png = plot(runs, args.out, report)
-        print(json.dumps(report["cluster_model"], indent=1))
-        print(f"wrote {args.out}, {png}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        runs = [run_one(n, args, model_dir, work, prompts) for n in args.decoders]
+    report = {**header("scaling", args), "runs": runs,
+              "cluster_model": cluster_model(runs, args.prompt_tokens, args.max_tokens)}
+    write(report, args.out)
+    png = plot(runs, args.out, report)
+    print(json.dumps(report["cluster_model"], indent=1))
+    print(f"wrote {args.out}, {png}")
     return 0

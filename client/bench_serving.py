@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .bench_common import long_context_copy, prompt_texts
+from .bench_args import (core_count, names, non_negative_floats, positive_float, positive_int,
+                         token_range)
+from .bench_common import long_context_copy, prompt_texts, work_dir
 from .bench_repeats import (error_bars, fmt, interleaved, ratio_to_best, start_server,
                             summarize_runs)
 from .bench_report import header, save_figure, write
@@ -45,17 +46,22 @@ KEYS = ["output_tok_s", "decode_tok_s_median", "decode_tok_s_p10", "ttft_ms_p50"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--rates", default="0,0.1,0.2,0.4", help="long-prompt arrivals per second")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds per rate")
-    p.add_argument("--background", type=int, default=4, help="streams decoding all the time")
-    p.add_argument("--background-tokens", type=int, default=96)
-    p.add_argument("--long-tokens", default="1024,2048", help="long prompt length range (tokens)")
-    p.add_argument("--long-max-tokens", type=int, default=32)
-    p.add_argument("--cores", type=int, default=2, help="cores of the machine to use")
+    p.add_argument("--rates", type=non_negative_floats, default="0,0.1,0.2,0.4",
+                   help="long-prompt arrivals per second, comma-separated")
+    p.add_argument("--duration", type=positive_float, default=40.0, help="seconds per rate")
+    p.add_argument("--background", type=positive_int, default=4, help="streams decoding all the time")
+    p.add_argument("--background-tokens", type=positive_int, default=96)
+    p.add_argument("--long-tokens", type=token_range, default="1024,2048",
+                   help="long prompt length range LO,HI (tokens)")
+    p.add_argument("--long-max-tokens", type=positive_int, default=32)
+    p.add_argument("--cores", type=core_count, default=2, help="cores of the machine to use")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--modes", default="colocated,disaggregated,conditional")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per mode and rate, interleaved")
+    p.add_argument("--modes", type=names(*MODES), default=",".join(MODES),
+                   help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measurements per mode and rate, interleaved")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of the servers' logs and the model copy (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -121,20 +127,17 @@ def output_tok_s(logs: list[StreamLog], window: tuple[float, float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
     from contextlib import ExitStack
 
-    lo, hi = (int(x) for x in args.long_tokens.split(","))
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
-    modes = args.modes.split(",")
-    rates = [float(x) for x in args.rates.split(",")]
-    try:
+    lo, hi = args.long_tokens
+    modes, rates = list(args.modes), list(args.rates)
+    with work_dir("tandem-bench-serving-", keep=args.keep_work) as work:
         model_dir = long_context_copy(args.model, work / "model", hi + 2 * args.long_max_tokens + 64)
         rng = np.random.default_rng(args.seed)
         lengths = [int(x) for x in rng.integers(lo, hi + 1, size=16)]
         longs = list(zip(prompt_texts(model_dir, lengths), lengths))
-        background = prompt_texts(model_dir, [48, 64, 80, 96])
-        with ExitStack() as stack:
+        background = prompt_texts(model_dir, [48 + 16 * (i % 4) for i in range(args.background)])
+        with ExitStack() as stack:   # servers and clients stop before the work dir goes
             clients, threads = {}, {}
             for mode in modes:
                 print(f"{mode}: starting tritonserver", flush=True)
@@ -166,23 +169,21 @@ def run(args: argparse.Namespace) -> int:
                 return stats
 
             runs = interleaved(rates, modes, args.repeats, measure)
-        results = {m: {"mode": m, "model": MODES[m][0], "torch_threads": threads[m],
-                       "rates": {str(r): summarize_runs(runs[m][r], KEYS) for r in rates},
-                       "timeline": timeline[m]} for m in modes}
-        report = {
-            **header("serving", args),
-            "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
-                         "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
-            "repeats": args.repeats, "results": results,
-            "ratios": ratios(runs, rates), "comparison": compare(results),
-        }
-        write(report, args.out)
-        paths = plot(results, args.out, report)
-        print(table(report))
-        print(json.dumps(report["comparison"], indent=1))
-        print(f"wrote {args.out}, " + ", ".join(str(p) for p in paths))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    results = {m: {"mode": m, "model": MODES[m][0], "torch_threads": threads[m],
+                   "rates": {str(r): summarize_runs(runs[m][r], KEYS) for r in rates},
+                   "timeline": timeline[m]} for m in modes}
+    report = {
+        **header("serving", args),
+        "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
+                     "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
+        "repeats": args.repeats, "results": results,
+        "ratios": ratios(runs, rates), "comparison": compare(results),
+    }
+    write(report, args.out)
+    paths = plot(results, args.out, report)
+    print(table(report))
+    print(json.dumps(report["comparison"], indent=1))
+    print(f"wrote {args.out}, " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -14,12 +14,17 @@ import argparse
 import itertools
 import queue
 import re
-import tempfile
 import threading
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
+from tandem.rdma.faults import POINTS as FAULT_POINTS
+
+from .bench_args import (ArgumentTypeError, fraction, non_negative_float, positive_float,
+                         positive_int)
+from .bench_common import started, work_dir
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
 from .soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
@@ -37,23 +42,28 @@ PROBE = (PROMPTS[0], 8)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--cancel-frac", type=float, default=0.2, help="requests cancelled at a random point")
-    p.add_argument("--fault-frac", type=float, default=0.05,
+    p.add_argument("--requests", type=positive_int, default=2000)
+    p.add_argument("--concurrency", type=positive_int, default=16)
+    p.add_argument("--cancel-frac", type=fraction, default=0.2, help="requests cancelled at a random point")
+    p.add_argument("--fault-frac", type=fraction, default=0.05,
                    help="KV transfers failed by injection (the server's --faults)")
-    p.add_argument("--fault-point", default="mid_layers", help="where injected transfer faults strike")
-    p.add_argument("--extreme-frac", type=float, default=0.02, help="requests with extreme sampling values")
-    p.add_argument("--kill", default="prefill:15,decode:35",
+    p.add_argument("--fault-point", default="mid_layers", choices=FAULT_POINTS,
+                   help="where injected transfer faults strike")
+    p.add_argument("--extreme-frac", type=fraction, default=0.02,
+                   help="requests with extreme sampling values")
+    p.add_argument("--kill", type=kill_schedule, default="prefill:15,decode:35",
                    help="stub kills, MODEL:SECONDS after the start, comma-separated ('' for none)")
-    p.add_argument("--deadline-s", type=float, default=120.0,
+    p.add_argument("--deadline-s", type=positive_float, default=120.0,
                    help="a request with no final response by then counts as hung")
-    p.add_argument("--max-seconds", type=float, default=1800.0, help="stop sending new requests after this")
-    p.add_argument("--backoff-s", type=float, default=0.5,
+    p.add_argument("--max-seconds", type=positive_float, default=1800.0,
+                   help="stop sending new requests after this")
+    p.add_argument("--backoff-s", type=non_negative_float, default=0.5,
                    help="a worker whose request failed waits this long before its next (as a client "
                         "honouring 'retry later' does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=str(DEMO_CHECKPOINTS / "target"))
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of the server's repository and log (removed otherwise)")
     p.add_argument("--out", type=Path, default=Path("docs/bench/soak.json"))
 
 
@@ -65,9 +75,21 @@ def parse_kills(text: str) -> list[tuple[str, float]]:
     """
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
-        model, _, at = item.partition(":")
-        out.append((model, float(at)))
+        model, sep, at = item.partition(":")
+        if not (sep and model.strip()):
+            raise ArgumentTypeError(f"{item!r}: must be MODEL:SECONDS, e.g. prefill:15")
+        try:
+            seconds = non_negative_float(at.strip())
+        except ArgumentTypeError as exc:
+            raise ArgumentTypeError(f"{item!r}: the seconds {exc}") from None
+        out.append((model.strip(), seconds))
     return sorted(out, key=lambda x: x[1])
+
+
+def kill_schedule(text: str) -> str:
+    """``--kill``'s type: ``text`` as written (the report keeps it so) once it parses."""
+    parse_kills(text)
+    return text
 
 
 # -- one request --------------------------------------------------------------------------
@@ -188,63 +210,15 @@ def probe_until_correct(url: str, want: str, since: float, timeout_s: float) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from .serve_options import ServeOptions
-    from .triton_server import TritonServer
-
     report = header("soak", args)
     plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed)
-    kills = parse_kills(args.kill)
-    faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
-    run_dir = Path(tempfile.mkdtemp(prefix="tandem-soak-"))   # the server's repository and log
-    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
-                           disagg_policy="remote")   # the transfer path under faults
     from tandem.backends import LLM, SamplingParams
     probe_want = LLM(args.model_dir).generate(PROBE[0], SamplingParams(max_tokens=PROBE[1],
                                                                        temperature=0.0))[0].text
-    with TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
-                      model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60) as server:
-        before = wait_idle(server.metrics_url)
-        todo = iter(plan)
-        lock = threading.Lock()
-        outcomes: list[Outcome] = []
-        start = time.monotonic()
-
-        def worker() -> None:
-            while time.monotonic() - start < args.max_seconds:
-                with lock:
-                    req = next(todo, None)
-                if req is None:
-                    return
-                o = run_request(server.grpc_url, req, args.deadline_s)
-                with lock:
-                    outcomes.append(o)
-                if o.status == "failed":
-                    time.sleep(args.backoff_s)
-
-        recoveries = []
-
-        def killer() -> None:
-            for model, at in kills:
-                time.sleep(max(0.0, start + at - time.monotonic()))
-                if len(outcomes) >= len(plan):
-                    return
-                killed_at = time.monotonic()
-                pid = server.kill_stub(model)
-                seconds = probe_until_correct(server.grpc_url, probe_want, killed_at, timeout_s=120.0)
-                recoveries.append({"model": model, "pid": pid, "at_s": round(killed_at - start, 2),
-                                   "recovered_s": None if seconds is None else round(seconds, 2)})
-                print(f"  killed {model} (pid {pid}) at {killed_at - start:.1f} s: correct text again "
-                      f"after {seconds if seconds is None else round(seconds, 2)} s", flush=True)
-
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
-        threads.append(threading.Thread(target=killer, daemon=True))
-        for t in threads:
-            t.start()
-        for t in threads[:-1]:
-            t.join()
-        threads[-1].join(timeout=150)
-        elapsed = time.monotonic() - start
-        after = wait_idle(server.metrics_url)
+    # the server's repository and log
+    with work_dir("tandem-soak-", keep=args.keep_work) as run_dir, ExitStack() as stack:
+        outcomes, recoveries, start, elapsed, before, after = _soak(args, plan, probe_want,
+                                                                    run_dir, stack)
     greedy_reference(args.model_dir, outcomes, plan)
     summary = summarize(outcomes)
     report.update({
@@ -254,13 +228,72 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": round(elapsed, 1), "summary": summary.as_dict(), "goals_met": summary.goals_met,
         "pages_before": before, "pages_after": after,
         "leaked": {k: v for k, v in after.items() if k.endswith(("/reserved", "/in_use")) and v},
-        "recoveries": recoveries, "server_log": str(run_dir / "tritonserver.log"),
+        "recoveries": recoveries,
+        "server_log": str(run_dir / "tritonserver.log") if args.keep_work else None,
         "timeline_5s": timeline(outcomes, start, 5.0),
     })
     _print(report)
     write(report, args.out)
     _plot(report, args.out.with_suffix(".png"))
     return 0 if summary.goals_met and not report["leaked"] else 1
+
+
+def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stack: ExitStack):
+    """The requests and kills against a server started on ``stack``: (outcomes,
+    recoveries, start, elapsed seconds, pages before, pages after)."""
+    from .serve_options import ServeOptions
+    from .triton_server import TritonServer
+
+    kills = parse_kills(args.kill)
+    faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
+    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
+                           disagg_policy="remote")   # the transfer path under faults
+    server = started(stack, TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
+                                         model_control_mode="explicit", ready_timeout_s=300,
+                                         exit_timeout_s=60))
+    before = wait_idle(server.metrics_url)
+    todo = iter(plan)
+    lock = threading.Lock()
+    outcomes: list[Outcome] = []
+    start = time.monotonic()
+
+    def worker() -> None:
+        while time.monotonic() - start < args.max_seconds:
+            with lock:
+                req = next(todo, None)
+            if req is None:
+                return
+            o = run_request(server.grpc_url, req, args.deadline_s)
+            with lock:
+                outcomes.append(o)
+            if o.status == "failed":
+                time.sleep(args.backoff_s)
+
+    recoveries = []
+
+    def killer() -> None:
+        for model, at in kills:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            if len(outcomes) >= len(plan):
+                return
+            killed_at = time.monotonic()
+            pid = server.kill_stub(model)
+            seconds = probe_until_correct(server.grpc_url, probe_want, killed_at, timeout_s=120.0)
+            recoveries.append({"model": model, "pid": pid, "at_s": round(killed_at - start, 2),
+                               "recovered_s": None if seconds is None else round(seconds, 2)})
+            print(f"  killed {model} (pid {pid}) at {killed_at - start:.1f} s: correct text again "
+                  f"after {seconds if seconds is None else round(seconds, 2)} s", flush=True)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
+    threads.append(threading.Thread(target=killer, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads[:-1]:
+        t.join()
+    threads[-1].join(timeout=150)
+    elapsed = time.monotonic() - start
+    after = wait_idle(server.metrics_url)
+    return outcomes, recoveries, start, elapsed, before, after
 
 
 def _print(report: dict) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from typing import Callable
 
+from .bench_args import comma_list, positive_int, positive_ints
 from .bench_common import timed
 from .bench_repeats import error_bars, fmt, spread
 from .bench_report import header, save_figure, write
@@ -27,19 +28,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=DEMO / "draft")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--ks", default="1,2,3,4,5")
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts, cycled per batch")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ks", type=positive_ints, default="1,2,3,4,5")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
+    p.add_argument("--new-tokens", type=positive_int, default=96)
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="held-out prompts, cycled per batch")
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="runs of every row, interleaved (each row once per repeat); the tables "
                         "show the median and the spread")
     p.add_argument("--compile", action="store_true",
                    help="also plain and draft-target decoding with EngineConfig.compile (the CPU's "
                         "compiled decode step for batches of 1 and 2): rows marked +compile")
-    p.add_argument("--draft-vocab-sizes", default="",
+    p.add_argument("--draft-vocab-sizes", type=comma_list(positive_int, allow_empty=True), default="",
                    help="also the draft and the MTP head over their N most frequent tokens "
                         "(FR-Spec; comma-separated sizes, e.g. 1024,2048; needs "
                         "token_frequencies.json in their checkpoints)")
@@ -119,7 +120,7 @@ def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
     """Every row of one batch size: ((system, method, k), run) in table order."""
     from tandem.backends import SpeculativeConfig
     methods = []
-    vocabs = [None] + [int(v) for v in args.draft_vocab_sizes.split(",") if v]
+    vocabs = [None, *args.draft_vocab_sizes]
     for vocab in vocabs:
         if (args.draft / "config.json").exists():
             methods.append(("draft_target", vocab, dict(draft_model=str(args.draft))))
@@ -131,7 +132,7 @@ def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
         rows.append((("tandem", "draft_alone", 0),
                      tandem_runner(args.draft, args.dtype, prompts, args.new_tokens)))
     for method, vocab, paths in methods:
-        for k in map(int, args.ks.split(",")):
+        for k in args.ks:
             spec = SpeculativeConfig(method, k, draft_vocab_size=vocab, **paths)
             rows.append((("tandem", label(method, vocab), k),
                          tandem_runner(args.target, args.dtype, prompts, args.new_tokens, spec)))
@@ -139,7 +140,7 @@ def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
         rows.append((("tandem", "none+compile", 0),
                      tandem_runner(args.target, args.dtype, prompts, args.new_tokens, compile=True)))
         if (args.draft / "config.json").exists():
-            for k in map(int, args.ks.split(",")):
+            for k in args.ks:
                 spec = SpeculativeConfig("draft_target", k, draft_model=str(args.draft))
                 rows.append((("tandem", "draft_target+compile", k),
                              tandem_runner(args.target, args.dtype, prompts, args.new_tokens,
@@ -168,7 +169,7 @@ def run(args) -> int:
     print(f"{'batch':>5} {'system':>7} {'method':>16} {'k':>3} {'tok/s median (min-max)':>24}  "
           "acceptance  length")
     rows = []
-    for batch in map(int, args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         prompts = [base_prompts[i % len(base_prompts)] for i in range(batch)]
         runners = runners_for(args, prompts)
         runs: dict[tuple, list[RunResult]] = {key: [] for key, _ in runners}

@@ -7,10 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import tempfile
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
+from tandem.backends.speculative.config import METHODS as SPEC_METHODS, NO_SPECULATION
+
+from .bench_args import (ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
+                         positive_ints)
+from .bench_common import started, work_dir
 from .bench_repeats import error_bars, spread
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
@@ -20,19 +25,33 @@ DEFAULT_OUT = Path("docs/bench/spec_serving.json")
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
            "import os\n\n\ndef walk(path):\n    ", "    def __repr__(self):\n        return ",
            "def parse_args(argv=None):\n    parser = argparse.", "with open(path) as f:\n    for line in f:\n"]
+METHODS = (NO_SPECULATION, *SPEC_METHODS)   # tandem serve --spec's
+
+
+def methods(text: str):
+    """``--methods``' type: names of :data:`METHODS`, ``none`` among them (the speedups
+    are over it)."""
+    chosen = names(*METHODS)(text)
+    if "none" not in chosen:
+        raise ArgumentTypeError(f"must include none (the baseline the speedups are over), got {text!r}")
+    return chosen
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--methods", default="none,draft_target,mtp,ngram")
-    p.add_argument("--ks", default="1,2,3,4,5")
-    p.add_argument("--concurrency", default="1,8")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per engine (0: half the cores)")
+    p.add_argument("--methods", type=methods, default=",".join(METHODS),
+                   help=f"comma-separated, of: {', '.join(METHODS)} (none included)")
+    p.add_argument("--ks", type=positive_ints, default="1,2,3,4,5")
+    p.add_argument("--concurrency", type=positive_ints, default="1,8")
+    p.add_argument("--max-tokens", type=positive_int, default=96)
+    p.add_argument("--duration", type=positive_float, default=15.0, help="seconds per concurrency level")
+    p.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch threads per engine (0: half the cores)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="runs of every setting, interleaved (one server per setting and run)")
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temp dir of the servers' logs (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -49,12 +68,13 @@ def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
                            spec_method=method, num_speculative_tokens=k)
     row = {"method": method, "k": k if method != "none" else 0}
     name = f"{method}-{k}-{rep}"
-    with TritonServer(options, run_dir=work / name, log_file=work / f"{name}.log",
-                      ready_timeout_s=600) as server:
+    with ExitStack() as stack:   # stops the server, also when its start is interrupted
+        server = started(stack, TritonServer(options, run_dir=work / name, log_file=work / f"{name}.log",
+                                             ready_timeout_s=600))
         client = StreamingClient(server.grpc_url, "tandem")
         try:
             closed_loop([client], PROMPTS, 8, 1, 8, 3.0)    # warm-up
-            for c in (int(x) for x in args.concurrency.split(",")):
+            for c in args.concurrency:
                 s = closed_loop([client], PROMPTS, 8, c, args.max_tokens, args.duration)
                 row[f"c{c}"] = {"decode_tok_s_median": s["decode_tok_s_median"],
                                 "output_tokens_per_s": s["output_tokens_per_s"],
@@ -125,15 +145,14 @@ def plot(rows: list[dict], concurrency: list[int], out: Path, report: dict) -> P
 
 
 def run(args: argparse.Namespace) -> int:
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-spec-serving-"))
-    ks = [int(k) for k in args.ks.split(",")]
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    settings = [(method, k if method != "none" else 0) for method in args.methods.split(",")
+    ks, concurrency = list(args.ks), list(args.concurrency)
+    settings = [(method, k if method != "none" else 0) for method in args.methods
                 for k in ([1] if method == "none" else ks)]
     runs: dict[tuple, list[dict]] = {s: [] for s in settings}
-    for rep in range(args.repeats):       # interleaved: every setting once per repeat
-        for method, k in settings:
-            runs[(method, k)].append(run_setting(method, max(k, 1), args, work, rep))
+    with work_dir("tandem-bench-spec-serving-", keep=args.keep_work) as work:
+        for rep in range(args.repeats):       # interleaved: every setting once per repeat
+            for method, k in settings:
+                runs[(method, k)].append(run_setting(method, max(k, 1), args, work, rep))
     rows = [aggregate(v, concurrency) for v in runs.values()]
     report = {**header("spec-serving", args), "rows": rows, "speedups": speedups(runs, concurrency)}
     write(report, args.out)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import socket
@@ -36,27 +37,40 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_args import ArgumentTypeError, names, non_negative_float, positive_int, positive_ints
 from .bench_common import timed
 from .bench_report import command, save_figure
 
 DEFAULT_OUT = Path("docs/bench/transfer.json")
 SHARD_PAIRS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (4, 1)),
                ((8, 1), (2, 1)), ((4, 4), (8, 8))]
+PATHS = {"shm": "one host: shared memory / CMA", "veth": "two network namespaces: TCP over veth"}
+# the ops-per-page table splits the KV heads evenly over each side's ranks per replica set
+KV_HEADS_MULTIPLE = math.lcm(*(tp // sets for pair in SHARD_PAIRS for tp, sets in pair))
+
+
+def kv_heads(text: str) -> int:
+    """``--kv-heads``' type: a multiple of :data:`KV_HEADS_MULTIPLE`."""
+    n = positive_int(text)
+    if n % KV_HEADS_MULTIPLE:
+        raise ArgumentTypeError(f"must be a multiple of {KV_HEADS_MULTIPLE} (the ops-per-page table "
+                                f"splits the heads over up to {KV_HEADS_MULTIPLE} ranks), got {text!r}")
+    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens per transfer")
-    p.add_argument("--page-sizes", default="16,64")
-    p.add_argument("--run-pages", default="1,4,16,64",
+    p.add_argument("--tokens", type=positive_int, default=2048, help="prompt tokens per transfer")
+    p.add_argument("--page-sizes", type=positive_ints, default="16,64")
+    p.add_argument("--run-pages", type=positive_ints, default="1,4,16,64",
                    help="max pages per operation (runs of consecutive pages); 1 = per page")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=kv_heads, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--repeats", type=int, default=5, help="transfers per configuration")
-    p.add_argument("--layer-ms", type=float, default=3.0,
+    p.add_argument("--repeats", type=positive_int, default=5, help="transfers per configuration")
+    p.add_argument("--layer-ms", type=non_negative_float, default=3.0,
                    help="simulated compute per layer for the streaming measurement")
-    p.add_argument("--paths", default="shm",
+    p.add_argument("--paths", type=names(*PATHS), default="shm",
                    help="shm: two processes on one host (UCX's choice: shared memory / CMA); veth: "
                         "the two in separate network namespaces over a veth pair, TCP only (root); "
                         "comma separated (default: %(default)s)")
@@ -156,15 +170,10 @@ def _transfer(sender, rx, pool, tokens, run_pages, src_pages, layer_s=0.0, after
     return t_ready - t0, (ready_at or t_ready) - last, d, t
 
 
-PATHS = {"shm": "one host: shared memory / CMA", "veth": "two network namespaces: TCP over veth"}
-
 
 def run(args) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    bad = [x for x in paths if x not in PATHS]
-    if bad or not paths:
-        raise SystemExit(f"--paths {args.paths!r}: allowed: {', '.join(PATHS)}, comma separated")
+    paths = args.paths
     if "veth" in paths:
         from .netns import netns_problem
         problem = netns_problem()
@@ -233,8 +242,7 @@ def _measure_path(path: str, args, results: dict, rx: _Receiver, ucx: dict) -> N
     """Throughput and streaming rows of one path: ``rx`` receives, this process sends
     (UCX settings ``ucx``) and plays the decoder (it polls the counters)."""
     from tandem.rdma import KVSender, ModelSpec, PoolSpec, SenderConfig, SharedKVPool, SourcePool
-    page_sizes = [int(x) for x in args.page_sizes.split(",")]
-    run_pages = [int(x) for x in args.run_pages.split(",")]
+    page_sizes, run_pages = args.page_sizes, args.run_pages
     for ps in page_sizes:
         spec = ModelSpec("target", args.layers, args.kv_heads, args.head_dim, ps, args.dtype)
         pages = -(-args.tokens // ps)
@@ -281,7 +289,7 @@ def _measure_path(path: str, args, results: dict, rx: _Receiver, ucx: dict) -> N
 
 def _ops_per_page(args, results: dict) -> None:
     from tandem.rdma import ModelSpec, ShardScheme, ops_per_page
-    for ps in [int(x) for x in args.page_sizes.split(",")]:
+    for ps in args.page_sizes:
         for layout in ("HND", "NHD"):
             spec = ModelSpec("target", args.layers, args.kv_heads, args.head_dim, ps,
                              args.dtype, layout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -159,6 +160,7 @@ def check_args(args: argparse.Namespace, given: Callable[[str], str]) -> None:
     if args.drain_timeout < 0:
         raise ValueError(f"{given('--drain-timeout')}: must be >= 0 (0 = stop at once)")
     _check_ports(args, given)
+    _check_prefill_endpoints(args, given)
     _check_speculation(args, given)
     if args.faults:
         from tandem.rdma.faults import ENV, Faults   # imports UCX: only when asked for
@@ -184,6 +186,17 @@ def _check_ports(args: argparse.Namespace, given: Callable[[str], str]) -> None:
             raise ValueError(f"{given(first[port])} and {given(option)}: the same port; "
                              "allowed: a port of its own for each")
         first[port] = option
+
+
+def _check_prefill_endpoints(args: argparse.Namespace, given: Callable[[str], str]) -> None:
+    """This server's own gRPC address as a prefill endpoint would forward its jobs to
+    itself: its prefill model waiting on its own prefill model, every request stalled."""
+    own = {args.host, "127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname()}
+    for endpoint in filter(None, (e.strip() for e in (args.prefill_endpoints or "").split(","))):
+        host, _, port = endpoint.rpartition(":")
+        if port == str(args.grpc_port) and host.strip("[]") in own:
+            raise ValueError(f"{given('--prefill-endpoints')}: {endpoint} is this server's own gRPC "
+                             "address; allowed: prefill servers (tandem serve --mode prefill)")
 
 
 def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) -> None:

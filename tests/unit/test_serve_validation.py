@@ -264,3 +264,15 @@ def test_every_variable_the_code_reads_is_an_option_or_an_other_variable():
                 read |= set(re.findall(r"\bTANDEM_[A-Z][A-Z0-9_]*", path.read_text(errors="ignore")))
     assert read - options - OTHER_VARIABLES == set()
     assert OTHER_VARIABLES <= read   # no stale names either
+
+
+# ---- prefill endpoints ------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9101", "localhost:9101", "p:1,127.0.0.1:9101"])
+def test_this_servers_own_grpc_address_is_no_prefill_endpoint(endpoint, capsys):
+    """It would forward its jobs to itself and stall every request (seen from outside)."""
+    error = refused(["--grpc-port", "9101", "--prefill-endpoints", endpoint], capsys)
+    assert error.startswith("--prefill-endpoints") and "own gRPC address" in error
+
+
+def test_another_servers_address_is_a_prefill_endpoint():
+    assert accepted(["--grpc-port", "9101", "--prefill-endpoints", "127.0.0.1:9201"]).prefill_endpoints
