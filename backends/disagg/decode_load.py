@@ -34,8 +34,9 @@ from tandem.rdma.pool_layout import SHM_DIR, pid_exists
 
 from .routing import DecodeLoad
 
-# prefill_tokens, updated (monotonic ns), writer pid, prompt tokens taken in (cumulative)
-_WORDS = 4
+# prefill_tokens, updated (monotonic ns), writer pid, prompt tokens taken in (cumulative),
+# the remote prefill side down until (monotonic ns; 0: up)
+_WORDS = 5
 
 
 def board_path(pool_name: str) -> str:
@@ -81,6 +82,15 @@ class DecodeLoadBoard:
         if pid and not pid_exists(pid):
             return DecodeLoad()
         return DecodeLoad(prefill_tokens=max(0, tokens))
+
+    def prefill_down_until(self, until_ns: int) -> None:
+        """The prefill router's word (another process than decode's): its prefill
+        servers took no job and are not worth another try before ``until_ns``
+        (``time.monotonic_ns()``; 0: up again)."""
+        self._words[4] = until_ns
+
+    def prefill_down(self, now_ns: int | None = None) -> bool:
+        return int(self._words[4]) > (time.monotonic_ns() if now_ns is None else now_ns)
 
     def taken_in(self) -> tuple[int, int]:
         """(writer pid, its cumulative count of prompt tokens taken in)."""

@@ -22,8 +22,10 @@ Rules of the ``conditional`` policy, in order:
    two extra hops cost this request) — unless the decode engine's own prefill backlog,
    this prompt included, would exceed ``max_local_prefill_tokens``: then
    ``decode_busy``, to the prefill side;
-3. ``prefill_busy`` — a longer prompt is prefilled here when the prefill side's
-   estimated wait exceeds ``max_prefill_wait_ms`` and decode's backlog has room for it;
+3. ``prefill_down`` / ``prefill_busy`` — a longer prompt is prefilled here while the
+   prefill side is down (its prefill servers failed the last job: none took it), or
+   when its estimated wait exceeds ``max_prefill_wait_ms``, and decode's backlog has
+   room for it;
 4. ``long_prompt`` — otherwise to the prefill side, so no long prefill stalls the
    decode batch.
 
@@ -47,15 +49,18 @@ CONDITIONAL = "conditional"
 # conditional: per request; remote: every prompt to the prefill side (the plain
 # disaggregated server); local: every prompt prefilled by decode (for comparisons)
 POLICIES = (CONDITIONAL, REMOTE, LOCAL)
-REASONS = ("no_prefill", "policy", "short_prompt", "decode_busy", "prefill_busy", "long_prompt")
+REASONS = ("no_prefill", "policy", "short_prompt", "decode_busy", "prefill_down", "prefill_busy",
+           "long_prompt")
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillLoad:
     """The prefill side as this decode server sees it: prompts sent there whose KV has
-    not all arrived yet, and how many tokens they prefill."""
+    not all arrived yet, and how many tokens they prefill; ``down`` while its prefill
+    servers failed the last job and are not yet due for another try."""
     requests: int = 0
     tokens: int = 0
+    down: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,8 @@ def choose_path(prompt_len: int, prefill: PrefillLoad, decode: DecodeLoad,
     fits_here = decode.prefill_tokens + prompt_len <= policy.max_local_prefill_tokens
     if prompt_len <= policy.local_prompt_tokens:
         return Route(LOCAL, "short_prompt") if fits_here else Route(REMOTE, "decode_busy")
+    if fits_here and prefill.down:
+        return Route(LOCAL, "prefill_down")
     if fits_here and policy.estimated_wait_s(prefill) * 1000 > policy.max_prefill_wait_ms:
         return Route(LOCAL, "prefill_busy")
     return Route(REMOTE, "long_prompt")

@@ -97,10 +97,11 @@ class TritonPythonModel(PerRequestModel):
         from tandem.backends.disagg.decode_load import DecodeLoadBoard
         from tandem.backends.disagg.routing import DecodeLoad, PrefillLoad, choose_path
 
-        requests, pages = self.pool.backlog()
-        prefill = PrefillLoad(requests, pages * self.pool.spec.models[0].page_size)
         if self.decode_board is None:
             self.decode_board = DecodeLoadBoard.open_if_exists(self.pool.spec.name)
+        requests, pages = self.pool.backlog()
+        down = self.decode_board is not None and self.decode_board.prefill_down()
+        prefill = PrefillLoad(requests, pages * self.pool.spec.models[0].page_size, down)
         decode, now = DecodeLoad(), time.monotonic()
         if self.decode_board is not None:
             in_transit = self.in_transit.observe(*self.decode_board.taken_in(), now)

@@ -34,7 +34,8 @@ class TritonPythonModel(PerRequestModel):
         self.service = self.router = None
         if s.prefill_endpoints:
             from tandem.backends.triton.prefill_router import PrefillRouter, parse_endpoints
-            self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints))
+            self.load_board = None   # decode's board, opened once decode has made it
+            self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints), on_down=self._prefill_down)
             pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)}")
             return
         import torch
@@ -76,6 +77,17 @@ class TritonPythonModel(PerRequestModel):
                     str(e), pb_utils.TritonError.UNAVAILABLE)
         ack = np.ones((1, 1), dtype=bool)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PREFILL_ACK, ack)])
+
+    def _prefill_down(self, until_s: float | None) -> None:
+        """Tell kv_transfer (decode's load board) that the prefill servers took no job:
+        conditional routing then prefills long prompts in decode until ``until_s``."""
+        from tandem.backends.disagg import server_pool_name
+        from tandem.backends.disagg.decode_load import DecodeLoadBoard
+
+        if self.load_board is None:
+            self.load_board = DecodeLoadBoard.open_if_exists(server_pool_name())
+        if self.load_board is not None:
+            self.load_board.prefill_down_until(0 if until_s is None else int(until_s * 1e9))
 
     def finalize(self) -> None:
         if getattr(self, "service", None) is not None:

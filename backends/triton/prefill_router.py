@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -34,6 +35,7 @@ PREFILL_MODEL = "prefill"
 ACK_TIMEOUT_S = 3.0          # a healthy prefill server acks in milliseconds
 REFUSED_DOWN_S = 1.0         # skip an endpoint that refused the connection this long
 HUNG_DOWN_S = (2.0, 30.0)    # ... one that timed out: from, doubling up to
+LOCAL_WHILE_DOWN_S = 5.0     # after no endpoint took a job, decode prefills itself this long
 
 
 class PrefillUnavailable(RuntimeError):
@@ -86,10 +88,15 @@ def parse_endpoints(text: str) -> list[str]:
 
 
 class PrefillRouter:
-    def __init__(self, endpoints: list[str], timeout_s: float = ACK_TIMEOUT_S, model: str = PREFILL_MODEL):
+    def __init__(self, endpoints: list[str], timeout_s: float = ACK_TIMEOUT_S, model: str = PREFILL_MODEL,
+                 on_down: Callable[[float | None], None] | None = None):
+        """``on_down(until)``: called when no endpoint took a job, with the
+        ``time.monotonic()`` before which none is worth another try (conditional routing
+        prefills in decode meanwhile), and with None when one takes a job again."""
         if not endpoints:
             raise ValueError("prefill_endpoints: at least one host:port is needed")
         self.endpoints, self.timeout_s, self.model = list(endpoints), timeout_s, model
+        self._on_down = on_down or (lambda until: None)
         self._clients: dict[str, object] = {}
         self._health = {url: EndpointHealth() for url in self.endpoints}
         self._next = itertools.cycle(range(len(self.endpoints)))
@@ -146,7 +153,12 @@ class PrefillRouter:
                 continue
             with self._lock:
                 health.succeeded()
+            self._on_down(None)
             return url
+        now = time.monotonic()
+        with self._lock:
+            retry_at = min(h.until for h in self._health.values())
+        self._on_down(max(retry_at, now + LOCAL_WHILE_DOWN_S))
         # UNAVAILABLE (the model says so): the OpenAI frontend and clients read "retry"
         raise PrefillUnavailable("unavailable: no prefill server took the job: " + "; ".join(errors)
                                  + "; retry")

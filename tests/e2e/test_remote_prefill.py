@@ -128,6 +128,28 @@ def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path,
     assert stub_processes(tmp_path) == []
 
 
+def test_while_no_prefill_server_takes_jobs_conditional_routing_prefills_here(tmp_path, demo_checkpoint,
+                                                                              reference):
+    """Every prefill server down: the job that finds it out fails (UNAVAILABLE, retry),
+    and for a while after it the decode server prefills "long" prompts itself instead
+    of failing them (here every prompt of more than 4 tokens is long)."""
+    dead = f"127.0.0.1:{free_port()}"
+    stack = []
+    try:
+        srv = _start(stack, tmp_path, ServeOptions(model_dir=str(demo_checkpoint), prefill_endpoints=dead,
+                                                   disagg_policy="conditional:local_prompt_tokens=4",
+                                                   **SETTINGS))
+        with pytest.raises(GenerateError, match="unavailable: no prefill server took the job.*retry"):
+            _text(srv, PROMPTS[0])
+        assert _text(srv, PROMPTS[0]) == reference[PROMPTS[0]]
+        assert _text(srv, PROMPTS[1]) == reference[PROMPTS[1]]
+        time.sleep(0.6)   # one poll of the metrics thread
+        assert metric(srv, "tandem_disagg_requests_total", "kv_transfer", path="local", reason="prefill_down") == 2
+    finally:
+        for s in stack:
+            s.stop()
+
+
 def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_checkpoint, reference):
     """SIGTERM to a prefill pod (`tandem serve` calls drain): the jobs it accepted still
     stream their KV to the decoders that reserved pages for them; new jobs are refused

@@ -113,3 +113,17 @@ def test_a_job_the_server_refuses_does_not_mark_it_down(monkeypatch):
         with pytest.raises(PrefillUnavailable, match="forged"):
             r.submit(IDS, DESC)
     assert made[0].calls == 2 and not made[0].closed
+
+
+def test_the_router_says_when_no_prefill_server_takes_jobs_and_when_one_does(monkeypatch):
+    clock, said = [100.0], []
+    refused = Refusal("StatusCode.UNAVAILABLE", "failed to connect to all addresses")
+    r, made = router_with(monkeypatch, {"p:1": refused}, clock)
+    r._on_down = said.append
+    with pytest.raises(PrefillUnavailable):
+        r.submit(IDS, DESC)
+    assert said == [100.0 + prefill_router.LOCAL_WHILE_DOWN_S]   # decode prefills meanwhile
+    made[0].outcome = None
+    clock[0] = 106.0
+    monkeypatch.setattr(r, "_client", lambda url: made[0])
+    assert r.submit(IDS, DESC) == "p:1" and said[-1] is None
