@@ -109,12 +109,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_sigterm_drains_the_streams_in_flight_then_exits_0(server):
+def _long_stream(grpc_url: str):
+    """A greedy stream of TOKENS tokens, under way: (its client, its answers, the first)."""
     import tritonclient.grpc as grpcclient
 
-    proc, ports, triton_pid, lines, tmp = server
-    grpc_url, ready_url = f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['http']}/v2/health/ready"
-    assert http_status(ready_url) == 200
     client = grpcclient.InferenceServerClient(grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -122,7 +120,17 @@ def test_sigterm_drains_the_streams_in_flight_then_exits_0(server):
                                                      temperature=0.0), enable_empty_final_response=True)
     result, error = results.get(timeout=120)
     assert error is None, error
-    responses = [parse_response(result)]
+    return client, results, result
+
+
+def test_sigterm_drains_the_streams_in_flight_then_exits_0(server):
+    import tritonclient.grpc as grpcclient
+
+    proc, ports, triton_pid, lines, tmp = server
+    grpc_url, ready_url = f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['http']}/v2/health/ready"
+    assert http_status(ready_url) == 200
+    client, results, first = _long_stream(grpc_url)
+    responses = [parse_response(first)]
     # a client that keeps its gRPC stream open after its request (as tritonclient's do):
     # it keeps its ensemble loaded, so the drain must see the engines idle instead
     idle = grpcclient.InferenceServerClient(grpc_url)
@@ -193,17 +201,9 @@ def test_a_second_sigterm_cuts_the_drain_and_leaves_nothing(server):
     leaves when it is killed."""
     import glob
 
-    import tritonclient.grpc as grpcclient
-
     proc, ports, triton_pid, lines, tmp = server
     envs_before = set(glob.glob("/tmp/python_env_*"))
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("tandem", build_inputs("def main():", max_tokens=TOKENS, min_tokens=TOKENS,
-                                                     temperature=0.0), enable_empty_final_response=True)
-    result, error = results.get(timeout=120)
-    assert error is None, error
+    client, results, _ = _long_stream(f"127.0.0.1:{ports['grpc']}")
     proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
     while not any(line.startswith("tandem: draining") for line in list(lines.queue)):
