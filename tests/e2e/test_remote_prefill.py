@@ -141,10 +141,10 @@ def test_while_no_prefill_server_takes_jobs_conditional_routing_prefills_here(tm
                                                    **SETTINGS))
         with pytest.raises(GenerateError, match="unavailable: no prefill server took the job.*retry"):
             _text(srv, PROMPTS[0])
+        # the next one, at once (well within LOCAL_WHILE_DOWN_S): prefilled here
         assert _text(srv, PROMPTS[0]) == reference[PROMPTS[0]]
-        assert _text(srv, PROMPTS[1]) == reference[PROMPTS[1]]
         time.sleep(0.6)   # one poll of the metrics thread
-        assert metric(srv, "tandem_disagg_requests_total", "kv_transfer", path="local", reason="prefill_down") == 2
+        assert metric(srv, "tandem_disagg_requests_total", "kv_transfer", path="local", reason="prefill_down") == 1
     finally:
         for s in stack:
             s.stop()
