@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .bench_args import cpu_list, positive_float, positive_int, positive_ints
+from .bench_args import CommaList, cpu_list, positive_float, positive_int, positive_ints
 from .bench_common import long_context_copy, prompt_texts, work_dir
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
@@ -31,9 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, default=1024)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--duration", type=positive_float, default=40.0, help="seconds measured per run")
-    p.add_argument("--prefill-cpus", type=cpu_list, default="0",
+    # defaults as lists: argparse would run a string default through cpu_list, which
+    # refuses a CPU this process may not use (a container's cpuset) before any is asked for
+    p.add_argument("--prefill-cpus", type=cpu_list, default=CommaList([0]),
                    help="CPUs the prefill server runs on, comma-separated ('' for any)")
-    p.add_argument("--decode-cpus", type=cpu_list, default="1",
+    p.add_argument("--decode-cpus", type=cpu_list, default=CommaList([1]),
                    help="CPUs each decode server runs on, comma-separated ('' for any)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--keep-work", action="store_true",
