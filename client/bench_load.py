@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .bench_args import names, non_negative_int, positive_int, positive_ints
 from .bench_common import work_dir
-from .bench_repeats import (error_bars, fmt, interleaved, ratio_to_best, start_server,
+from .bench_repeats import (error_bars, fmt, interleaved, ratios_to_best, start_server,
                             summarize_runs)
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
@@ -117,21 +117,6 @@ def start_servers(stack: ExitStack, modes: list[str], args, work: Path) -> dict:
     return servers
 
 
-def ratios(results: dict, levels: list[int]) -> dict:
-    """Per level, conditional over the better of colocated and disaggregated."""
-    runs = results["runs"]
-    if not {"conditional", "colocated", "disaggregated"} <= set(runs):
-        return {}
-    out = {}
-    for c in levels:
-        def of(key):
-            return {m: [r[key] for r in runs[m][c]] for m in runs}
-        out[str(c)] = {"output_tok_s": ratio_to_best(of("output_tok_s"), True),
-                       "decode_tok_s": ratio_to_best(of("decode_tok_s_median"), True),
-                       "itl_ms_p99": ratio_to_best(of("itl_ms_p99"), False)}
-    return out
-
-
 def table(report: dict) -> str:
     res, levels = report["results"], report["levels"]
     lines = ["| concurrency | mode | req/s | output tok/s | decode tok/s per request | "
@@ -181,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     results = {m: {str(c): summarize_runs(runs[m][c], KEYS) for c in levels} for m in modes}
     report = {**header("load", args), "perf_analyzer_files": str(work) if args.keep_work else None,
               "levels": levels, "repeats": args.repeats, "results": results,
-              "ratios": ratios({"runs": runs}, levels)}
+              "ratios": ratios_to_best(runs, levels)}
     write(report, args.out)
     print(table(report))
     print(f"wrote {args.out}, {plot(report, args.out)}")

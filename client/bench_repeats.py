@@ -78,6 +78,22 @@ def ratio_to_best(runs: dict[str, list[float | None]], higher_is_better: bool,
     return spread(ratios)
 
 
+def ratios_to_best(runs: dict, points: list) -> dict:
+    """Per point of a sweep (``runs[mode][point]``: its repeats' results), ``target``
+    over the better of ``others`` in output and per-request decode tok/s and ITL p99;
+    empty unless every mode ran."""
+    if not {TARGET, *OTHERS} <= set(runs):
+        return {}
+    out = {}
+    for p in points:
+        def of(key):
+            return {m: [x[key] for x in runs[m][p]] for m in runs}
+        out[str(p)] = {"output_tok_s": ratio_to_best(of("output_tok_s"), True),
+                       "decode_tok_s": ratio_to_best(of("decode_tok_s_median"), True),
+                       "itl_ms_p99": ratio_to_best(of("itl_ms_p99"), False)}
+    return out
+
+
 def error_bars(stats: list[dict]) -> tuple[list[float], list[list[float]]]:
     """Medians and matplotlib's ``yerr`` (below, above) of :func:`spread` results;
     NaN where a point has no value.

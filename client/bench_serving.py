@@ -28,7 +28,7 @@ import numpy as np
 from .bench_args import (core_count, names, non_negative_floats, positive_float, positive_int,
                          token_range)
 from .bench_common import long_context_copy, prompt_texts, work_dir
-from .bench_repeats import (error_bars, fmt, interleaved, ratio_to_best, start_server,
+from .bench_repeats import (error_bars, fmt, interleaved, ratios_to_best, start_server,
                             summarize_runs)
 from .bench_report import header, save_figure, write
 from .paths import DEMO_CHECKPOINTS
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": {"background_streams": args.background, "long_tokens": [lo, hi],
                      "long_max_tokens": args.long_max_tokens, "duration_s": args.duration},
         "repeats": args.repeats, "results": results,
-        "ratios": ratios(runs, rates), "comparison": compare(results),
+        "ratios": ratios_to_best(runs, rates), "comparison": compare(results),
     }
     write(report, args.out)
     paths = plot(results, args.out, report)
@@ -188,20 +188,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- report -------------------------------------------------------------------------------
-def ratios(runs: dict, rates: list[float]) -> dict:
-    """Per rate, conditional over the better of colocated and disaggregated, per repeat."""
-    if not {"conditional", "colocated", "disaggregated"} <= set(runs):
-        return {}
-    out = {}
-    for r in rates:
-        def of(key):
-            return {m: [x[key] for x in runs[m][r]] for m in runs}
-        out[str(r)] = {"output_tok_s": ratio_to_best(of("output_tok_s"), True),
-                       "decode_tok_s": ratio_to_best(of("decode_tok_s_median"), True),
-                       "itl_ms_p99": ratio_to_best(of("itl_ms_p99"), False)}
-    return out
-
-
 def _median(results: dict, mode: str, rate: str, key: str):
     return results[mode]["rates"][rate][key]["median"]
 

@@ -191,8 +191,13 @@ def _check_ports(args: argparse.Namespace, given: Callable[[str], str]) -> None:
 def _check_prefill_endpoints(args: argparse.Namespace, given: Callable[[str], str]) -> None:
     """This server's own gRPC address as a prefill endpoint would forward its jobs to
     itself: its prefill model waiting on its own prefill model, every request stalled."""
+    from tandem.backends.triton.prefill_router import parse_endpoints
+    try:
+        endpoints = parse_endpoints(args.prefill_endpoints or "")
+    except ValueError:
+        return   # malformed: ServeOptions refuses it, saying how
     own = {args.host, "127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname()}
-    for endpoint in filter(None, (e.strip() for e in (args.prefill_endpoints or "").split(","))):
+    for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
         if port == str(args.grpc_port) and host.strip("[]") in own:
             raise ValueError(f"{given('--prefill-endpoints')}: {endpoint} is this server's own gRPC "
