@@ -235,19 +235,24 @@ def run_point(options: PerfOptions, concurrency: int, out_dir: Path, input_data:
     ``on_command(cmd)`` sees the command line before it runs (the CLI prints it)."""
     csv_path, export_path, log_path = (out_dir / f"c{concurrency}{ext}" for ext in (".csv", ".profile.json", ".log"))
     cmd = build_command(binary, options, concurrency, input_data, csv_path, export_path)
-    export_path.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite a profile export
     if on_command:
         on_command(cmd)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=options.timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise PerfAnalyzerError(f"perf_analyzer at concurrency {concurrency} ran over {options.timeout_s:g} s: "
-                                f"{shlex.join(cmd)}") from exc
-    log_path.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise PerfAnalyzerError(f"perf_analyzer at concurrency {concurrency} exited {proc.returncode}:\n"
-                                f"{_error_lines(proc.stdout + proc.stderr)}\n(full log: {log_path})")
-    return parse_point(concurrency, proc.stdout, csv_path, export_path)
+    # perf_analyzer 2.51 once exited 0 with an empty profile export (a CI run): once more
+    for _ in range(2):
+        export_path.unlink(missing_ok=True)   # perf_analyzer refuses to overwrite a profile export
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=options.timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise PerfAnalyzerError(f"perf_analyzer at concurrency {concurrency} ran over {options.timeout_s:g} s: "
+                                    f"{shlex.join(cmd)}") from exc
+        log_path.write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise PerfAnalyzerError(f"perf_analyzer at concurrency {concurrency} exited {proc.returncode}:\n"
+                                    f"{_error_lines(proc.stdout + proc.stderr)}\n(full log: {log_path})")
+        if export_path.exists() and export_path.stat().st_size:
+            return parse_point(concurrency, proc.stdout, csv_path, export_path)
+    raise PerfAnalyzerError(f"perf_analyzer at concurrency {concurrency} exited 0 twice without writing its "
+                            f"profile export {export_path} (full log: {log_path})")
 
 
 def profile(options: PerfOptions, out_dir: Path, on_command=None) -> list[PerfPoint]:
