@@ -24,9 +24,10 @@ import functools
 import itertools
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
-from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig
+from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig, Transfer
 
 from ..engine.inbox import Inbox
 from ..engine.llm_engine import EngineConfig
@@ -40,6 +41,33 @@ DoneCallback = Callable[[str | None], None]
 
 class PrefillClosing(RuntimeError):
     """The service is shutting down and takes no new job."""
+
+
+# -- what other threads tell the engine thread --------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddJob:
+    """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation; ``on_done`` ends it."""
+    request_id: str
+    desc: DestinationDescriptor
+    prompt_ids: list[int]
+    on_done: DoneCallback
+
+
+@dataclass(frozen=True, slots=True)
+class FailJob:
+    """The job cannot go on (its transfer could not start): abort it with ``error``."""
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEnded:
+    """The messenger finished the job's transfer (completed, or failed: ``transfer.error``)."""
+    request_id: str
+    transfer: Transfer
+
+
+PrefillMessage = AddJob | FailJob | TransferEnded
 
 
 class PrefillService(PrefillHooks):
@@ -56,8 +84,8 @@ class PrefillService(PrefillHooks):
         self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
         self._faults = self.sender.config.faults
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
-        self._transfers: dict[str, object] = {}
-        self._inbox = Inbox()
+        self._transfers: dict[str, Transfer] = {}
+        self._inbox: Inbox[PrefillMessage] = Inbox()
         self._ids = itertools.count()
         # jobs submitted whose on_done has not run: shutdown lets them finish
         self._pending = 0
@@ -100,14 +128,14 @@ class PrefillService(PrefillHooks):
                 raise PrefillClosing("this prefill server is shutting down; retry on another")
             self._pending += 1
         rid = f"prefill-{next(self._ids)}"
-        job = ("add", rid, (desc, list(prompt_ids), functools.partial(self._settle, on_done)))
+        job = AddJob(rid, desc, list(prompt_ids), functools.partial(self._settle, on_done))
         delay = self._faults.prefill_delay_s() if self._faults is not None else 0.0
         if delay:
-            timer = threading.Timer(delay, self._inbox.post, job)
+            timer = threading.Timer(delay, self._inbox.post, (job,))
             timer.daemon = True
             timer.start()
         else:
-            self._inbox.post(*job)
+            self._inbox.post(job)
         return rid
 
     def _settle(self, on_done: DoneCallback, error: str | None) -> None:
@@ -121,7 +149,7 @@ class PrefillService(PrefillHooks):
 
     # -- messenger thread -----------------------------------------------------------------
     def _transfer_done(self, rid: str, t) -> None:
-        self._inbox.post("done", rid, t)
+        self._inbox.post(TransferEnded(rid, t))
 
     # -- engine thread: hooks -------------------------------------------------------------
     def on_admit(self, req: PrefillRequest) -> None:
@@ -132,7 +160,7 @@ class PrefillService(PrefillHooks):
                 desc, req.pages, on_done=lambda t, rid=rid: self._transfer_done(rid, t))
         except Exception as e:   # this request alone; it is aborted after the step
             log.exception("request %s: its KV transfer could not start", rid)
-            self._inbox.post("fail", rid, f"the KV transfer could not start ({e})")
+            self._inbox.post(FailJob(rid, f"the KV transfer could not start ({e})"))
 
     def before_forward(self, chunks, model=TARGET):
         live = {self._transfers[r.request_id]: end for r, end in chunks
@@ -151,13 +179,14 @@ class PrefillService(PrefillHooks):
             items = self._inbox.take(self.engine.has_work)
             if self._inbox.stopped:
                 return
-            for kind, rid, obj in items:
-                if kind == "add":
-                    self._add(rid, *obj)
-                elif kind == "fail":
-                    self._abort(rid, obj)
-                else:
-                    self._finish(rid, obj)
+            for msg in items:
+                match msg:
+                    case AddJob(rid, desc, prompt_ids, on_done):
+                        self._add(rid, desc, prompt_ids, on_done)
+                    case FailJob(rid, error):
+                        self._abort(rid, error)
+                    case TransferEnded(rid, transfer):
+                        self._finish(rid, transfer)
             try:
                 self.engine.step()
             except Exception:

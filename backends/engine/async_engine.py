@@ -9,11 +9,11 @@ from .config import EngineConfig
 from .inbox import Inbox
 from .isolation import describe
 from .llm_engine import LLMEngine, RequestOutput
+from .messages import Abort, AddRemote, AddRequest, EngineMessage, OutputCallback
 from .params import SamplingParams
 from .remote_prefill import KVTicket, PendingPrefills
 
 log = logging.getLogger(__name__)
-OutputCallback = Callable[[RequestOutput], None]
 FatalCallback = Callable[[BaseException], None]
 
 
@@ -40,7 +40,7 @@ class AsyncEngine:
         self.failure: BaseException | None = None   # why the loop stopped, if it failed
         self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
         self._callbacks: dict[str, OutputCallback] = {}
-        self._inbox = Inbox()
+        self._inbox: Inbox[EngineMessage] = Inbox()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._lock = threading.Lock()   # guards make_sequence's request-id counter
         # called on the engine thread before and after every step (the decode model
@@ -69,7 +69,7 @@ class AsyncEngine:
         self._check_alive()
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
-        self._inbox.post("add", seq, on_output)
+        self._inbox.post(AddRequest(seq, on_output))
         return seq.request_id
 
     def submit_prefilled(self, prompt: str | list[int], params: SamplingParams,
@@ -80,7 +80,7 @@ class AsyncEngine:
         self._check_alive()
         with self._lock:
             seq = self.engine.make_sequence(prompt, params)
-        self._inbox.post("remote", (seq, ticket), on_output)
+        self._inbox.post(AddRemote(seq, ticket, on_output))
         return seq.request_id
 
     def _check_alive(self) -> None:
@@ -89,7 +89,7 @@ class AsyncEngine:
                                 "is restarting, retry later")
 
     def abort(self, request_id: str) -> None:
-        self._inbox.post("abort", request_id, None)
+        self._inbox.post(Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.stop()
@@ -101,13 +101,13 @@ class AsyncEngine:
         # with transfers pending, poll their counters gently
         items = self._inbox.take(self.engine.has_unfinished,
                                  self._pending.poll_s if self._pending else None)
-        for kind, obj, cb in items:
+        for msg in items:
             try:
-                ended += self._handle(kind, obj, cb)
+                ended += self._handle(msg)
             except Exception as exc:   # one request's message: it alone fails
-                rid = obj if kind == "abort" else (obj[0] if kind == "remote" else obj).request_id
-                log.exception("request %s: %s failed", rid, kind)
-                cb = self._callbacks.pop(rid, cb)
+                rid = msg.request_id
+                log.exception("request %s: %s failed", rid, type(msg).__name__)
+                cb = self._callbacks.pop(rid, None if isinstance(msg, Abort) else msg.on_output)
                 if cb is not None:
                     ended.append((cb, _failed(rid, f"the request could not be queued ({describe(exc)})")))
         for seq, pages in self._pending.ready():
@@ -123,17 +123,18 @@ class AsyncEngine:
             ended.append((self._callbacks.pop(out.request_id), out))
         return ended
 
-    def _handle(self, kind: str, obj, cb) -> list[tuple[OutputCallback, RequestOutput]]:
-        if kind == "add":
-            self._callbacks[obj.request_id] = cb
-            self.engine.add(obj)
-        elif kind == "remote":
-            self._callbacks[obj[0].request_id] = cb
-            self._pending.add(*obj)
-        else:
-            out = self._pending.cancel(obj) or self.engine.abort(obj)
-            if out is not None:
-                return [(self._callbacks.pop(obj), out)]
+    def _handle(self, msg: EngineMessage) -> list[tuple[OutputCallback, RequestOutput]]:
+        match msg:
+            case AddRequest(seq, on_output):
+                self._callbacks[seq.request_id] = on_output
+                self.engine.add(seq)
+            case AddRemote(seq, ticket, on_output):
+                self._callbacks[seq.request_id] = on_output
+                self._pending.add(seq, ticket)
+            case Abort(rid):
+                out = self._pending.cancel(rid) or self.engine.abort(rid)
+                if out is not None:
+                    return [(self._callbacks.pop(rid), out)]
         return []
 
     def _loop(self) -> None:
