@@ -14,15 +14,14 @@ import argparse
 import importlib
 import sys
 
-# command name -> module of tandem.client, in --help order. A listed module that
-# does not exist yet is skipped.
+# command name -> module of tandem.client, in --help order
 SUBCOMMANDS = {
-    "serve": "serve",
+    "serve": "serve.cli",
     "generate": "generate",
     "make-demo-checkpoint": "demo_checkpoint",
-    "bench": "bench",
-    "perf": "perf_analyzer",
-    "train": "train",
+    "bench": "bench.registry",
+    "perf": "bench.perf_analyzer",
+    "train": "train.cli",
 }
 
 
@@ -35,14 +34,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     names = [command] if command in SUBCOMMANDS else list(SUBCOMMANDS)
     for name in names:
-        module_name = f"tandem.client.{SUBCOMMANDS[name]}"
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue  # not written yet
-            raise
-        module.add_parser(subparsers)
+        importlib.import_module(f"tandem.client.{SUBCOMMANDS[name]}").add_parser(subparsers)
     return parser
 
 

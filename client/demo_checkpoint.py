@@ -20,7 +20,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from .paths import CACHE, DEMO_CHECKPOINTS
+from tandem.client.paths import CACHE, DEMO_CHECKPOINTS
 
 BOS, EOS = "<s>", "</s>"
 TRAINED_DEMO = DEMO_CHECKPOINTS / "target"

@@ -2,7 +2,7 @@
 # Give the perf_analyzer binary from the tritonclient wheel the two shared
 # libraries it links but the wheel does not ship: libb64.so.0d and libcudart.so.12
 # (needed even on CPU). They go into .cache/perf_analyzer/lib under exactly those
-# names; tandem.client.perf_analyzer puts that folder on LD_LIBRARY_PATH. No root.
+# names; tandem.client.bench.perf_analyzer puts that folder on LD_LIBRARY_PATH. No root.
 #
 #   bash scripts/install_perf_analyzer_deps.sh [--download] [PYTHON]
 #

@@ -92,13 +92,13 @@ TOKEN_ENSEMBLES = frozenset({"tandem_tokens"})
 
 
 def text_models(options) -> list[str]:
-    """The text ensembles a :class:`~tandem.client.serve_options.ServeOptions` serves
+    """The text ensembles a :class:`~tandem.client.serve.options.ServeOptions` serves
     (an ``--ensemble-name`` alias included), the OpenAI API's model ids."""
     return [m for m in options.ensembles if m not in TOKEN_ENSEMBLES]
 
 
 def start_for(server, port: int, log_level: str = "warning") -> OpenAIFrontend | None:
-    """Start the frontend for a started :class:`~tandem.client.triton_server.TritonServer`
+    """Start the frontend for a started :class:`~tandem.client.serve.triton_server.TritonServer`
     on its host (``tandem serve``); None when ``port`` is 0 or the server has no text
     ensemble (``--mode prefill``)."""
     models = text_models(server.options)

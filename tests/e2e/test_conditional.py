@@ -14,8 +14,8 @@ import time
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer
 
 from .triton_calls import metric
 

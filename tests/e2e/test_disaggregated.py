@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve_options import MODES, ServeOptions
-from tandem.client.triton_server import TritonServer, stub_processes
+from tandem.client.serve.options import MODES, ServeOptions
+from tandem.client.serve.triton_server import TritonServer, stub_processes
 
 from .triton_calls import first_answer, http_post, metric, sse_events, tensors
 

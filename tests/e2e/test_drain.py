@@ -24,8 +24,8 @@ import urllib.request
 import pytest
 
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
-from tandem.client.process_group import kill_group, live_processes
-from tandem.client.triton_server import free_port, remove_orphan_segments, stub_processes
+from tandem.client.serve.process_group import kill_group, live_processes
+from tandem.client.serve.triton_server import free_port, remove_orphan_segments, stub_processes
 
 pytestmark = pytest.mark.e2e
 TOKENS = 1500

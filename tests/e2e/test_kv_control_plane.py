@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer
 
 from .triton_calls import TRITON_TYPES, first_answer, metric
 

@@ -1,5 +1,5 @@
 """Prefill and decode on two "hosts": network namespaces joined by a veth pair, each with
-its own address, routes and TCP stack (client/netns.py). A prefill server (``--mode
+its own address, routes and TCP stack (client/bench/netns.py). A prefill server (``--mode
 prefill``) runs in one, a decode server in the other (``--prefill-endpoints`` at the
 prefill namespace's address), both started by the containers' entrypoint
 (docker/entrypoint.sh) with their settings in the environment. The job travels over
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.client.netns import VethPair, netns_problem
+from tandem.client.bench.netns import VethPair, netns_problem
 
 from .triton_calls import metric_in
 

@@ -23,8 +23,8 @@ import pytest
 
 from tandem.client.generate import stream_generate
 from tandem.client.openai.chat_template import PLAIN
-from tandem.client.process_group import die_with_parent
-from tandem.client.triton_server import free_port
+from tandem.client.serve.process_group import die_with_parent
+from tandem.client.serve.triton_server import free_port
 
 from .triton_calls import metric
 

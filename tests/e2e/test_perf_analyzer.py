@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnavailable, PerfOptions, check, profile
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer
+from tandem.client.bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnavailable, PerfOptions, check, profile
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer
 
 pytestmark = pytest.mark.e2e
 

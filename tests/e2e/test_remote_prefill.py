@@ -8,8 +8,8 @@ import time
 import pytest
 
 from tandem.client.generate import GenerateError, stream_generate
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer, free_port, stub_processes
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer, free_port, stub_processes
 
 from .triton_calls import metric
 

@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from tandem.client.generate import stream_generate
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer, stub_processes
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer, stub_processes
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_threads=1)

@@ -22,8 +22,8 @@ import pytest
 from tandem.backends.triton.generate_request import INPUT_NAMES
 from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
-from tandem.client.serve_options import MODES, ServeOptions
-from tandem.client.triton_server import TritonServer, free_port, stub_processes
+from tandem.client.serve.options import MODES, ServeOptions
+from tandem.client.serve.triton_server import TritonServer, free_port, stub_processes
 
 from .triton_calls import http_post, metric, sse_events
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tandem.client.generate import stream_generate
-from tandem.client.serve_options import ServeOptions
-from tandem.client.triton_server import TritonServer
+from tandem.client.serve.options import ServeOptions
+from tandem.client.serve.triton_server import TritonServer
 
 from .triton_calls import metric
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve_options import ServeOptions, ServerError
-from tandem.client.triton_server import TritonServer, stub_processes
+from tandem.client.serve.options import ServeOptions, ServerError
+from tandem.client.serve.triton_server import TritonServer, stub_processes
 
 from .triton_calls import metric
 

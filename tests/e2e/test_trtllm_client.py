@@ -36,7 +36,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from tandem.client.triton_server import free_port, stub_processes
+from tandem.client.serve.triton_server import free_port, stub_processes
 
 pytestmark = pytest.mark.e2e
 MODEL = "ensemble"          # the TensorRT-LLM client accepts only "ensemble" and "tensorrt_llm_bls"

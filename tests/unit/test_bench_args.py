@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.client.bench import BENCHMARKS
-from tandem.client.bench_common import started, work_dir
-from tandem.client.bench_report import command
+from tandem.client.bench.registry import BENCHMARKS
+from tandem.client.bench.harness import start_server, work_dir
+from tandem.client.bench.report import command
 from tandem.client.cli import build_parser, main
 
 
@@ -92,7 +92,7 @@ def test_a_bad_value_exits_2_naming_the_option(parser, capsys, argv, words):
 
 def test_the_benchmark_does_not_run(monkeypatch, capsys):
     """Through ``tandem``'s entry point: argparse exits before the benchmark's ``run``."""
-    from tandem.client import bench_soak
+    from tandem.client.bench import soak as bench_soak
 
     def run(args):
         raise AssertionError("the soak ran with --requests 0")
@@ -191,38 +191,49 @@ class FakeServer:
         self.stops.append(self.work.exists())
 
 
-def test_servers_stop_before_the_work_dir_goes_on_ctrl_c():
-    servers = []
-    with pytest.raises(KeyboardInterrupt):
-        with work_dir("tandem-bench-test-") as work, ExitStack() as stack:
-            servers.append(started(stack, FakeServer(work)))
-            raise KeyboardInterrupt
-    assert servers[0].stops == [True]      # stopped once, while its run dir still existed
-    assert not work.exists()
+@pytest.fixture
+def fake_servers(monkeypatch):
+    """``TritonServer`` replaced by :class:`FakeServer`s (each given ``fail_start`` in
+    turn from the list the fixture returns); the servers made, in order."""
+    from tandem.client.serve import triton_server
+    made, failures = [], []
 
-
-def test_a_start_interrupted_still_stops_the_server():
-    """Ctrl-C while the models load: ``stop`` runs (it kills what ``start`` launched)."""
-    server = None
-    with pytest.raises(KeyboardInterrupt):
-        with work_dir("tandem-bench-test-") as work, ExitStack() as stack:
-            server = FakeServer(work, fail_start=KeyboardInterrupt)
-            started(stack, server)
-    assert server.stops == [True]
-    assert not work.exists()
-
-
-def test_start_server_registers_stop_before_starting(monkeypatch, tmp_path):
-    """The serving and load benchmarks' start (bench_repeats.start_server) goes through
-    :func:`started`: an interrupted start is stopped too."""
-    from tandem.client import bench_repeats, triton_server
-    made = []
-
-    def fake(options, run_dir, log_file, ready_timeout_s):
-        made.append(FakeServer(tmp_path, fail_start=KeyboardInterrupt))
+    def fake(options, run_dir, **kwargs):
+        made.append(FakeServer(run_dir, fail_start=failures.pop(0) if failures else None))
         return made[-1]
     monkeypatch.setattr(triton_server, "TritonServer", fake)
+    return made, failures
+
+
+def test_servers_stop_before_the_work_dir_goes_on_ctrl_c(fake_servers):
+    made, _ = fake_servers
     with pytest.raises(KeyboardInterrupt):
-        with ExitStack() as stack:
-            bench_repeats.start_server(stack, None, tmp_path / "run", tmp_path / "log")
-    assert made[0].stops == [True]
+        with work_dir("tandem-bench-test-") as work, ExitStack() as stack:
+            (work / "run").mkdir()
+            start_server(stack, None, work / "run")
+            raise KeyboardInterrupt
+    assert made[0].stops == [True]      # stopped once, while its run dir still existed
+    assert not work.exists()
+
+
+def test_a_start_interrupted_still_stops_the_server(fake_servers):
+    """Ctrl-C while the models load: ``stop`` runs (it kills what ``start`` launched)."""
+    made, failures = fake_servers
+    failures.append(KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with work_dir("tandem-bench-test-") as work, ExitStack() as stack:
+            (work / "run" / "try0").mkdir(parents=True)
+            start_server(stack, None, work / "run", attempts=2)   # no retry after Ctrl-C
+    assert len(made) == 1 and made[0].stops == [True]
+    assert not work.exists()
+
+
+def test_a_failed_start_is_tried_again_in_a_run_dir_of_its_own(fake_servers, tmp_path):
+    from tandem.client.serve.options import ServerError
+    made, failures = fake_servers
+    failures.append(ServerError("tritonserver exited while loading"))
+    with ExitStack() as stack:
+        server = start_server(stack, None, tmp_path, attempts=2)
+        assert server is made[1]
+    assert [m.work for m in made] == [tmp_path / "try0", tmp_path / "try1"]
+    assert [len(m.stops) for m in made] == [1, 1]   # both stopped with the stack

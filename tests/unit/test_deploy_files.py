@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from tandem.client.cli import build_parser, main
-from tandem.client.env_defaults import EnvDefaultsParser, env_var
-from tandem.client.serve import DRAIN_TIMEOUT_S
-from tandem.client.triton_env import find_triton
+from tandem.client.serve.env_defaults import EnvDefaultsParser, env_var
+from tandem.client.serve.cli import DRAIN_TIMEOUT_S
+from tandem.client.serve.triton_env import find_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -286,6 +286,6 @@ def test_find_triton_takes_another_tritonserver_and_its_python_backend(tmp_path)
     layout = find_triton(server_bin=server)
     assert layout.server_bin == server and layout.python_backend == backend.resolve()
     assert layout.stub == find_triton().stub       # the wheel's stub, built for this Python
-    from tandem.client.triton_env import TritonNotFound
+    from tandem.client.serve.triton_env import TritonNotFound
     with pytest.raises(TritonNotFound, match="--tritonserver .*: not an executable file"):
         find_triton(server_bin=tmp_path / "nope")

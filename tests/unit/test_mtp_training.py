@@ -173,7 +173,7 @@ def test_saved_head_serves_losslessly(runs, target_dir, use_norms, k):
 
 
 def test_cli_trains_a_head_from_a_token_cache(target_dir, streams, tmp_path):
-    from tandem.client.train import main
+    from tandem.client.train.cli import main
     data = tmp_path / "data"
     data.mkdir()
     torch.save({"train": streams.train, "validation": streams.validation}, data / "tokens.pt")

@@ -379,7 +379,7 @@ def test_models_health_metrics_and_unknown_paths():
 def test_serve_starts_the_api_on_port_9000_unless_told_otherwise():
     from tandem.client import cli
     from tandem.client.openai.frontend import start_for, text_models
-    from tandem.client.serve_options import ServeOptions
+    from tandem.client.serve.options import ServeOptions
     assert cli.build_parser().parse_args(["serve"]).openai_port == 9000
     assert cli.build_parser().parse_args(["serve", "--openai-port", "0"]).openai_port == 0
     assert text_models(ServeOptions()) == ["tandem"]                        # not tandem_tokens
@@ -401,7 +401,7 @@ def test_the_frontend_serves_in_a_thread_and_stops_and_refuses_a_taken_port():
     import urllib.request
 
     from tandem.client.openai.frontend import FrontendError, OpenAIFrontend
-    from tandem.client.triton_server import free_port
+    from tandem.client.serve.triton_server import free_port
     port = free_port()
     with OpenAIFrontend("127.0.0.1:1", ["tandem"], DEMO, port=port) as api:
         body = json.loads(urllib.request.urlopen(api.base_url + "/models", timeout=10).read())

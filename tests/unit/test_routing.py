@@ -111,7 +111,7 @@ def test_engine_settings_carry_the_policy():
 
 
 def test_serve_options_default_to_conditional_and_borrow_the_idle_prefill_core(tmp_path):
-    from tandem.client.serve_options import ServeOptions, ServerError
+    from tandem.client.serve.options import ServeOptions, ServerError
     cores = str(os.cpu_count() or 2)
     values = ServeOptions(model_dir=str(tmp_path)).template_values()
     assert values["disagg_policy"] == "conditional" and values["decode_idle_threads"] == cores

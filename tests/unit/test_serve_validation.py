@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.client import serve
+from tandem.client.serve import cli as serve
 from tandem.client.cli import build_parser, main
-from tandem.client.env_defaults import OTHER_VARIABLES, env_var, unknown_variables
+from tandem.client.serve.env_defaults import OTHER_VARIABLES, env_var, unknown_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 

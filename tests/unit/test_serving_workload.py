@@ -1,5 +1,5 @@
 """The serving benchmark's statistics: what its table and goals are computed from."""
-from tandem.client.serving_workload import StreamLog, percentile, poisson_arrivals, summarize
+from tandem.client.bench.serving_workload import StreamLog, percentile, poisson_arrivals, summarize
 
 
 def test_poisson_arrivals_have_the_asked_rate_and_are_reproducible():

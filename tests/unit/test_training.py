@@ -225,7 +225,7 @@ def test_checkpoint_loads_in_engine_and_transformers_with_same_greedy_output(tin
 def test_train_cli_parses_and_reports_config_errors(tmp_path, capsys):
     import argparse
 
-    from tandem.client import train as train_cli
+    from tandem.client.train import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="tandem")
     train_cli.add_parser(parser.add_subparsers(dest="command", required=True))

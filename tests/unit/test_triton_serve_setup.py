@@ -20,12 +20,12 @@ from tandem.client import cli
 from tandem.client.demo_checkpoint import CHECKPOINT_FILES, make_demo_checkpoint
 from tandem.backends.triton.generate_request import INPUT_NAMES, INPUTS, TOKEN_INPUT_NAMES
 from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
-from tandem.client.repository import MODEL_REPOSITORY, render_repository
-from tandem.client.serve_options import ENSEMBLES, MODES, ServeOptions, ServerError
-from tandem.client.stubs import describe_exit, find_stubs, proc_state
-from tandem.client.supervisor import RELOAD, RESTART, Recovery, Supervisor, SupervisorStatus, choose_action
-from tandem.client.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
-from tandem.client.triton_server import remove_orphan_segments
+from tandem.client.serve.repository import MODEL_REPOSITORY, render_repository
+from tandem.client.serve.options import ENSEMBLES, MODES, ServeOptions, ServerError
+from tandem.client.serve.stubs import describe_exit, find_stubs, proc_state
+from tandem.client.serve.supervisor import RELOAD, RESTART, Recovery, Supervisor, SupervisorStatus, choose_action
+from tandem.client.serve.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
+from tandem.client.serve.triton_server import remove_orphan_segments
 
 
 def test_backend_dir_has_library_stub_and_utils(tmp_path):

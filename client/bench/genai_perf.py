@@ -6,7 +6,7 @@ tokenized by the checkpoint's own tokenizer.
 
 genai-perf 0.0.8 (the ``genai`` extra: ``pip install -e '.[genai]'``) drives the
 perf_analyzer of the tritonclient 2.51 wheel (it must be on PATH, with the libraries
-``scripts/install_perf_analyzer_deps.sh`` links: :func:`~tandem.client.perf_analyzer.analyzer_env`).
+``scripts/install_perf_analyzer_deps.sh`` links: :func:`~tandem.client.bench.perf_analyzer.analyzer_env`).
 Writes a JSON report, a Markdown table and a plot (``docs/bench/genai_perf.*``); genai-perf's
 own files go in a temp dir, removed at the end unless ``--keep-work`` (the report then
 names it).
@@ -22,10 +22,10 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from .bench_args import names, positive_int, positive_ints
-from .bench_common import started, work_dir
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
+from tandem.client.bench.args import names, positive_int, positive_ints
+from tandem.client.bench.harness import start_server, work_dir
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/genai_perf.json")
 TARGETS = ("triton", "completions", "chat")
@@ -77,7 +77,7 @@ def command(target: str, concurrency: int, args, grpc_url: str, openai_url: str,
 def shown(cmd: list[str], work: Path) -> str:
     """The command as the report shows it: ``genai-perf``, paths in the checkout relative
     to it, genai-perf's files under ``$WORK``."""
-    from .paths import REPO_ROOT
+    from tandem.client.paths import REPO_ROOT
     out = ["genai-perf"]
     for a in cmd[1:]:
         a = a.replace(str(work), "$WORK")
@@ -88,7 +88,7 @@ def shown(cmd: list[str], work: Path) -> str:
 
 
 def run_one(cmd: list[str], artifacts: Path) -> dict:
-    from .perf_analyzer import analyzer_env
+    from tandem.client.bench.perf_analyzer import analyzer_env
     env = analyzer_env()
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     env["HF_HUB_OFFLINE"] = "1"        # the tokenizer is a local directory
@@ -143,7 +143,7 @@ def plot(rows: list[dict], out: Path, report: dict) -> Path:
 def versions() -> dict:
     from importlib.metadata import version
 
-    from .perf_analyzer import check
+    from tandem.client.bench.perf_analyzer import check
     try:
         pa = check()
     except Exception as exc:   # reported, not fatal: genai-perf says the same when it runs
@@ -152,17 +152,16 @@ def versions() -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .openai.frontend import OpenAIFrontend
-    from .serve_options import ServeOptions
-    from .triton_server import TritonServer, free_port
+    from tandem.client.openai.frontend import OpenAIFrontend
+    from tandem.client.serve.options import ServeOptions
+    from tandem.client.serve.triton_server import free_port
 
     genai_perf_binary()
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, spec_method=args.spec)
     rows, commands = [], []
     print("starting tritonserver and the OpenAI API", flush=True)
     with work_dir("tandem-bench-genai-perf-", keep=args.keep_work) as work, ExitStack() as stack:
-        server = started(stack, TritonServer(options, run_dir=work / "server", log_file=work / "server.log",
-                                             ready_timeout_s=600))
+        server = start_server(stack, options, work / "server", log_file=work / "server.log")
         api = stack.enter_context(OpenAIFrontend(server.grpc_url, ["tandem"], args.model, port=free_port()))
         openai_url = api.base_url.removeprefix("http://").removesuffix("/v1")
         for target in args.targets:

@@ -1,6 +1,6 @@
 """Render Tandem's model repository: copy ``model_repository/`` (the models a mode
 serves) into a run directory with each ``config.pbtxt``'s ``${name}`` placeholders
-filled from :meth:`ServeOptions.template_values <tandem.client.serve_options.ServeOptions.template_values>`,
+filled from :meth:`ServeOptions.template_values <tandem.client.serve.options.ServeOptions.template_values>`,
 and each alias (``tandem serve --ensemble-name``) as a copy of its ensemble under the new name.
 
 >>> render_repository(run_dir / "model_repository", options.template_values(),  # doctest: +SKIP
@@ -13,8 +13,8 @@ import shutil
 import string
 from pathlib import Path
 
-from .paths import MODEL_REPOSITORY
-from .serve_options import ServerError
+from tandem.client.paths import MODEL_REPOSITORY
+from tandem.client.serve.options import ServerError
 
 
 def render_repository(dst: Path, values: dict[str, str], src: Path = MODEL_REPOSITORY,

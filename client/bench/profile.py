@@ -14,9 +14,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from .bench_args import positive_int, positive_ints
-from .bench_report import header, write
-from .paths import DEMO_CHECKPOINTS
+from tandem.client.bench.args import positive_int, positive_ints
+from tandem.client.bench.report import header, write
+from tandem.client.paths import DEMO_CHECKPOINTS
 
 # innermost Tandem frame (path fragment) -> category; first match wins
 CATEGORIES = (

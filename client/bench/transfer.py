@@ -18,7 +18,7 @@ Reported:
 network namespace: UCX picks shared memory / CMA), ``veth`` (the receiver and the
 sender in two network namespaces joined by a veth pair, UCX held to TCP on the veth
 interfaces: what prefill and decode on two hosts do over a network link; needs root,
-see :mod:`tandem.client.netns`). Each path gets its own rows.
+see :mod:`tandem.client.bench.netns`). Each path gets its own rows.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_args import ArgumentTypeError, names, non_negative_float, positive_int, positive_ints
-from .bench_common import timed
-from .bench_report import command, save_figure
+from tandem.client.bench.args import ArgumentTypeError, names, non_negative_float, positive_int, positive_ints
+from tandem.client.bench.harness import timed
+from tandem.client.bench.report import command, save_figure
 
 DEFAULT_OUT = Path("docs/bench/transfer.json")
 SHARD_PAIRS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (4, 1)),
@@ -112,7 +112,7 @@ def _child(prefix: list[str], entry: str):
     where UCX looks for them), and the :class:`Connection` to it."""
     from multiprocessing.connection import Connection
     ours, theirs = socket.socketpair()
-    code = f"from tandem.client.bench_transfer import {entry}; {entry}({theirs.fileno()})"
+    code = f"from tandem.client.bench.transfer import {entry}; {entry}({theirs.fileno()})"
     proc = subprocess.Popen([*prefix, sys.executable, "-c", code], pass_fds=(theirs.fileno(),))
     theirs.close()
     return Connection(ours.detach()), proc
@@ -175,7 +175,7 @@ def run(args) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     paths = args.paths
     if "veth" in paths:
-        from .netns import netns_problem
+        from tandem.client.bench.netns import netns_problem
         problem = netns_problem()
         if problem:
             raise SystemExit(f"--paths veth: no network namespaces here: {problem}")
@@ -213,7 +213,7 @@ def run(args) -> int:
 def _veth_path(args, results: dict) -> None:
     """The measurement across a fresh veth pair: this side (sender and decoder) in a
     child in namespace a, the receiver in namespace b, UCX on TCP only."""
-    from .netns import VethPair
+    from tandem.client.bench.netns import VethPair
     pair = VethPair.create("tandem-bench")
     try:
         conn, proc = _child(pair.exec("a"), "_veth_child")

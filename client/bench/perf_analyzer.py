@@ -41,7 +41,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .paths import CACHE
+from tandem.client.paths import CACHE
 
 LIB_DIR = CACHE / "perf_analyzer" / "lib"
 INSTALL_HINT = ("run `bash scripts/install_perf_analyzer_deps.sh` (links the copies nvidia-pytriton bundles "

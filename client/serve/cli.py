@@ -1,8 +1,8 @@
 """``tandem serve``: start tritonserver on Tandem's model repository and wait for Ctrl-C.
 
-The command line only: the settings are :class:`~tandem.client.serve_options.ServeOptions`
+The command line only: the settings are :class:`~tandem.client.serve.options.ServeOptions`
 (the options' defaults are its defaults; theirs come from the engine's), the server is
-:class:`~tandem.client.triton_server.TritonServer`.
+:class:`~tandem.client.serve.triton_server.TritonServer`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from tandem.backends.kv_cache.pages import KV_LAYOUTS
 from tandem.backends.models.config import DTYPES
 from tandem.backends.speculative.config import METHODS, NO_SPECULATION, SpeculativeConfig
 
-from . import env_defaults
-from .paths import DEMO_CHECKPOINTS
-from .serve_options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
-from .openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
-from .openai.frontend import FrontendError, start_for
-from .triton_server import TritonServer
+from tandem.client.serve import env_defaults
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.serve.options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
+from tandem.client.openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
+from tandem.client.openai.frontend import FrontendError, start_for
+from tandem.client.serve.triton_server import TritonServer
 
 # below Kubernetes' default grace period (30 s) with room for the server's own stop
 DRAIN_TIMEOUT_S = 20.0

@@ -22,7 +22,7 @@ from pathlib import Path
 from tandem.backends.engine.config import ENGINE_DEFAULTS
 from tandem.backends.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION
 
-from .paths import DEMO_CHECKPOINTS
+from tandem.client.paths import DEMO_CHECKPOINTS
 
 # the ensembles clients call, with what each is for (the other models are their steps)
 ENSEMBLES = {

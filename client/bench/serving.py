@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_args import (core_count, names, non_negative_floats, positive_float, positive_int,
+from tandem.client.bench.args import (core_count, names, non_negative_floats, positive_float, positive_int,
                          token_range)
-from .bench_common import long_context_copy, prompt_texts, work_dir
-from .bench_repeats import (error_bars, fmt, interleaved, ratios_to_best, start_server,
+from tandem.client.bench.harness import start_server, long_context_copy, prompt_texts, work_dir
+from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
                             summarize_runs)
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
-from .serving_workload import StreamLog, poisson_arrivals, summarize
-from .streaming_client import StreamingClient
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.bench.serving_workload import StreamLog, poisson_arrivals, summarize
+from tandem.client.bench.streaming_client import StreamingClient
 
 DEFAULT_OUT = Path("docs/bench/serving.json")
 # mode -> (the ensemble called, tandem serve --mode, --disagg-policy)
@@ -107,7 +107,7 @@ def options_for(mode: str, args, model_dir: Path):
     short prompts prefilled by decode, which takes the prefill core while it idles."""
     import os
 
-    from .serve_options import ServeOptions
+    from tandem.client.serve.options import ServeOptions
     serve_mode, policy = MODES[mode][1:]
     cores = args.cores
     if serve_mode == "colocated":
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 print(f"{mode}: starting tritonserver", flush=True)
                 options = options_for(mode, args, model_dir)
-                server = start_server(stack, options, work / mode, work / f"{mode}.log")
+                server = start_server(stack, options, work / mode, attempts=2, log_file=work / f"{mode}.log")
                 clients[mode] = StreamingClient(server.grpc_url, MODES[mode][0])
                 stack.callback(clients[mode].close)
                 threads[mode] = options.torch_threads

@@ -36,13 +36,13 @@ from pathlib import Path
 
 from tandem.rdma.pool_layout import pid_exists
 
-from .process_group import die_with_parent, kill_group, killpg
-from .repository import render_repository
-from .serve_options import ServeOptions, ServerError
-from .stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
-from .supervisor import Supervisor
-from .triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
-from .triton_http import TritonHTTP, http_ok
+from tandem.client.serve.process_group import die_with_parent, kill_group, killpg
+from tandem.client.serve.repository import render_repository
+from tandem.client.serve.options import ServeOptions, ServerError
+from tandem.client.serve.stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
+from tandem.client.serve.supervisor import Supervisor
+from tandem.client.serve.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
+from tandem.client.serve.triton_http import TritonHTTP, http_ok
 
 log = logging.getLogger("tandem.serve")
 SHM_DIR = Path("/dev/shm")
@@ -142,7 +142,7 @@ class TritonServer:
 
     def start(self) -> "TritonServer":
         if self.options.model_dir is None:
-            from .demo_checkpoint import default_model_dir
+            from tandem.client.demo_checkpoint import default_model_dir
 
             self.options.model_dir = str(default_model_dir())
         if not (Path(self.options.model_dir) / "config.json").is_file():

@@ -26,8 +26,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from .process_group import live_processes
-from .triton_env import STUB_NAME
+from tandem.client.serve.process_group import live_processes
+from tandem.client.serve.triton_env import STUB_NAME
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,23 +32,6 @@ def interleaved(points: list, modes: list[str], repeats: int,
     return out
 
 
-def start_server(stack, options, run_dir, log_file, attempts: int = 2):
-    """A started :class:`~tandem.client.triton_server.TritonServer` on ``stack`` (stopped
-    with it, also when its start is interrupted); a start that fails (tritonserver 2.51
-    now and then aborts while loading on a busy host) is tried again."""
-    from .bench_common import started
-    from .serve_options import ServerError
-    from .triton_server import TritonServer
-    for attempt in range(attempts):
-        try:
-            return started(stack, TritonServer(options, run_dir=run_dir / f"try{attempt}",
-                                               log_file=log_file, ready_timeout_s=600))
-        except ServerError as e:
-            if attempt == attempts - 1:
-                raise
-            print(f"  the server did not start ({str(e).splitlines()[0]}); again", flush=True)
-
-
 def spread(values: list[float | None]) -> dict:
     """Median, min and max of the values that exist (None when none does)."""
     xs = [float(v) for v in values if v is not None]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from tandem.backends.speculative.config import METHODS as SPEC_METHODS, NO_SPECULATION
 
-from .bench_args import (ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
+from tandem.client.bench.args import (ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
                          positive_ints)
-from .bench_common import started, work_dir
-from .bench_repeats import error_bars, spread
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
-from .streaming_client import StreamingClient, closed_loop
+from tandem.client.bench.harness import start_server, work_dir
+from tandem.client.bench.repeats import error_bars, spread
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.bench.streaming_client import StreamingClient, closed_loop
 
 DEFAULT_OUT = Path("docs/bench/spec_serving.json")
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
@@ -62,15 +62,13 @@ def _scrape(url: str, name: str, model: str = "decode") -> float | None:
 
 
 def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
-    from .serve_options import ServeOptions
-    from .triton_server import TritonServer
+    from tandem.client.serve.options import ServeOptions
     options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
                            spec_method=method, num_speculative_tokens=k)
     row = {"method": method, "k": k if method != "none" else 0}
     name = f"{method}-{k}-{rep}"
     with ExitStack() as stack:   # stops the server, also when its start is interrupted
-        server = started(stack, TritonServer(options, run_dir=work / name, log_file=work / f"{name}.log",
-                                             ready_timeout_s=600))
+        server = start_server(stack, options, work / name, log_file=work / f"{name}.log")
         client = StreamingClient(server.grpc_url, "tandem")
         try:
             closed_loop([client], PROMPTS, 8, 1, 8, 3.0)    # warm-up

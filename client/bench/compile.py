@@ -14,10 +14,10 @@ import argparse
 import time
 from pathlib import Path
 
-from .bench_args import positive_int, positive_ints
-from .bench_repeats import fmt, spread
-from .bench_report import header, write
-from .paths import DEMO_CHECKPOINTS
+from tandem.client.bench.args import positive_int, positive_ints
+from tandem.client.bench.repeats import fmt, spread
+from tandem.client.bench.report import header, write
+from tandem.client.paths import DEMO_CHECKPOINTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """``tandem train mtp`` and ``tandem train mtp-eval``: an MTP head for a target, and
 its acceptance measured through the engine; ``tandem train token-frequencies``: the
-proposers' frequent-token vocabulary. Registered by client/train.py.
+proposers' frequent-token vocabulary. Registered by ``tandem.client.train.cli``.
 
     tandem train mtp --target checkpoints/demo/target --data .cache/train/target/data \\
         --out checkpoints/demo/mtp [--no-norms] [--config configs/mtp.json] [--device cuda]
@@ -17,9 +17,10 @@ import argparse
 import json
 from pathlib import Path
 
-from .train import add_run_options, start_run
+from tandem.client.paths import REPO_ROOT
+from tandem.client.train.run import add_run_options, start_run
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mtp.json"
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "mtp.json"
 
 
 def add_subcommands(sub) -> None:

@@ -1,6 +1,6 @@
 """``tandem bench <what>``: benchmarks that print a table and write JSON (and plots).
 
-Each benchmark is a module ``tandem.client.bench_<what>`` with ``add_arguments(parser)``
+Each benchmark is a module ``tandem.client.bench.<what>`` with ``add_arguments(parser)``
 and ``run(args) -> int``; list it in :data:`BENCHMARKS`.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark (prints a table, writes JSON/PNG)")
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, help_text in BENCHMARKS.items():
-        mod = importlib.import_module(f"tandem.client.bench_{name.replace('-', '_')}")
+        mod = importlib.import_module(f"tandem.client.bench.{name.replace('-', '_')}")
         bp = sub.add_parser(name, help=help_text)
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .bench_args import at_least, positive_int, positive_ints
-from .bench_common import timed
-from .bench_report import command, save_figure, write
+from tandem.client.bench.args import at_least, positive_int, positive_ints
+from tandem.client.bench.harness import timed
+from tandem.client.bench.report import command, save_figure, write
 
 DEFAULT_OUT = Path("docs/bench/engine.json")
 

@@ -4,7 +4,7 @@ server restarted, and readiness stays truthful meanwhile.
 Triton 2.51 never restarts a Python-backend stub by itself. After a stub dies, the
 requests it was executing fail with ``Stub process '<instance>' is not healthy.``, so
 does every later one, and the server keeps answering ready. :class:`Supervisor` (a
-thread beside the server, started by :class:`~tandem.client.triton_server.TritonServer`)
+thread beside the server, started by :class:`~tandem.client.serve.triton_server.TritonServer`)
 closes that gap:
 
 - **Detection.** Every ``poll_s`` it looks at the stubs it knows (children of
@@ -49,8 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .serve_options import ServerError
-from .stubs import Stub, describe_exit, died_of_signal, find_stubs, proc_state
+from tandem.client.serve.options import ServerError
+from tandem.client.serve.stubs import Stub, describe_exit, died_of_signal, find_stubs, proc_state
 
 log = logging.getLogger("tandem.serve")
 

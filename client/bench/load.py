@@ -18,13 +18,13 @@ import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
-from .bench_args import names, non_negative_int, positive_int, positive_ints
-from .bench_common import work_dir
-from .bench_repeats import (error_bars, fmt, interleaved, ratios_to_best, start_server,
+from tandem.client.bench.args import names, non_negative_int, positive_int, positive_ints
+from tandem.client.bench.harness import start_server, work_dir
+from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
                             summarize_runs)
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
-from .serving_workload import percentile
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.bench.serving_workload import percentile
 
 DEFAULT_OUT = Path("docs/bench/load.json")
 # mode -> (tandem serve --mode, --disagg-policy, the ensemble called)
@@ -56,7 +56,7 @@ def stream_stats(export_path: Path, concurrency: int) -> dict:
     """From perf_analyzer's profile export: output tokens/s over the measured span,
     per-request decode tokens/s (tokens after the first over the time they took) and
     the gaps between a stream's responses."""
-    from .perf_analyzer import _measured_requests
+    from tandem.client.bench.perf_analyzer import _measured_requests
     exps = json.loads(export_path.read_text())["experiments"]
     exp = next(e for e in exps if e["experiment"]["value"] == concurrency)
     reqs = _measured_requests(exp)
@@ -78,7 +78,7 @@ def _r(x):
 
 
 def measure(server, mode: str, concurrency: int, rep: int, args, work: Path) -> dict:
-    from .perf_analyzer import PerfOptions, profile
+    from tandem.client.bench.perf_analyzer import PerfOptions, profile
     perf = PerfOptions(url=server.grpc_url, model=MODES[mode][2], concurrency=(concurrency,),
                        max_tokens=args.max_tokens, request_count=args.request_count)
     attempts = 5
@@ -105,7 +105,7 @@ def measure(server, mode: str, concurrency: int, rep: int, args, work: Path) -> 
 
 
 def start_servers(stack: ExitStack, modes: list[str], args, work: Path) -> dict:
-    from .serve_options import ServeOptions
+    from tandem.client.serve.options import ServeOptions
     servers = {}
     for mode in modes:
         serve_mode, policy, _ = MODES[mode]
@@ -113,7 +113,7 @@ def start_servers(stack: ExitStack, modes: list[str], args, work: Path) -> dict:
                                torch_threads=args.threads, spec_method=args.spec,
                                disagg_policy=policy)
         print(f"{mode}: starting tritonserver", flush=True)
-        servers[mode] = start_server(stack, options, work / mode, work / f"{mode}.log")
+        servers[mode] = start_server(stack, options, work / mode, attempts=2, log_file=work / f"{mode}.log")
     return servers
 
 

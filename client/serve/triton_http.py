@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from .serve_options import ServerError
+from tandem.client.serve.options import ServerError
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:

@@ -4,18 +4,20 @@
     tandem train lm --config configs/target.json --out checkpoints/demo/target --resume
     tandem train export --work-dir .cache/train/target --out checkpoints/demo/target [--best]
     tandem train sample --model checkpoints/demo/target --n 3
-    tandem train mtp --target checkpoints/demo/target --out checkpoints/demo/mtp   (client/train_mtp.py)
+    tandem train mtp --target checkpoints/demo/target --out checkpoints/demo/mtp   (tandem.client.train.mtp)
     tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \
         --mtp mtp=checkpoints/demo/mtp
 
-The CLI (client/cli.py) registers this module with ``add_parser(subparsers)``.
+The CLI (``tandem.client.cli``) registers this module with ``add_parser(subparsers)``.
 """
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
+
+from tandem.client.train import mtp
+from tandem.client.train.run import add_run_options, start_run
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -45,33 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sa.add_argument("--threads", type=int, default=1)
     sa.set_defaults(func=run_sample)
 
-    from .train_mtp import add_subcommands   # mtp, mtp-eval
-    add_subcommands(sub)
+    mtp.add_subcommands(sub)   # mtp, mtp-eval, token-frequencies
     return p
-
-
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    """The options of a resumable training run (``lm``, ``mtp``)."""
-    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/state.pt")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many steps in this invocation (resume later)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--log", default=None, help="log file (default <work-dir>/train.log)")
-
-
-def start_run(args: argparse.Namespace, work: Path, subcommand: str) -> str | None:
-    """Set the torch threads and the log of a run; return its command line (for the
-    training summary) when it came from ``sys.argv``."""
-    import torch
-
-    from tandem.backends.training.loop import setup_logging
-
-    torch.set_num_threads(args.threads)
-    setup_logging(args.log or work / "train.log")
-    if subcommand not in sys.argv:
-        return None
-    rest = sys.argv[sys.argv.index(subcommand) + 1:]
-    return f"tandem train {subcommand} " + " ".join(shlex.quote(a) for a in rest)
 
 
 def run_lm(args: argparse.Namespace) -> int:
@@ -111,7 +88,7 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m tandem.client.train lm ...``) until cli.py registers it."""
+    """Stand-alone entry: ``python -m tandem.client.train.cli lm ...``."""
     parser = argparse.ArgumentParser(prog="tandem")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])

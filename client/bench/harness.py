@@ -1,7 +1,7 @@
-"""What the benchmarks share besides their reports (``bench_report``), their options'
-types (``bench_args``) and their server client (``streaming_client``): a timer, the
-run's temp dir and its servers' lifetimes, and the model and prompts the serving
-benchmarks send.
+"""What the benchmarks share besides their reports (``report``), their options' types
+(``args``), their repeats' statistics (``repeats``) and their server client
+(``streaming_client``): a timer, the run's temp dir, the one way they start a server,
+and the model and prompts the serving benchmarks send.
 
 >>> timed(lambda: sum(range(1000)), repeats=3) < 1.0
 True
@@ -51,12 +51,28 @@ def work_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
                 print(f"could not remove all of {path}", flush=True)
 
 
-def started(stack, server):
-    """``server`` (a :class:`~tandem.client.triton_server.TritonServer`) started, its
-    ``stop`` on ``stack`` before it starts: a start interrupted while the models load
-    (Ctrl-C) still stops what it launched (``stop`` is safe on a server never started)."""
-    stack.callback(server.stop)
-    return server.start()
+def start_server(stack, options, run_dir: Path, attempts: int = 1, **server_kwargs):
+    """A started :class:`~tandem.client.serve.triton_server.TritonServer` for ``options``,
+    its ``stop`` on ``stack`` before it starts: a start interrupted while the models load
+    (Ctrl-C) still stops what it launched (``stop`` is safe on a server never started).
+    A start that fails (tritonserver 2.51 now and then aborts while loading on a busy
+    host) is tried again up to ``attempts`` times, each in its own ``run_dir/try<n>``.
+    ``server_kwargs`` go to the server (``log_file``, ``cpus``, ...); it waits 600 s for
+    readiness unless told otherwise."""
+    from tandem.client.serve.options import ServerError
+    from tandem.client.serve.triton_server import TritonServer
+
+    server_kwargs.setdefault("ready_timeout_s", 600)
+    for attempt in range(attempts):
+        server = TritonServer(options, run_dir=run_dir / f"try{attempt}" if attempts > 1 else run_dir,
+                              **server_kwargs)
+        stack.callback(server.stop)
+        try:
+            return server.start()
+        except ServerError as e:
+            if attempt == attempts - 1:
+                raise
+            print(f"  the server did not start ({str(e).splitlines()[0]}); again", flush=True)
 
 
 def long_context_copy(src: Path, dst: Path, max_len: int) -> Path:

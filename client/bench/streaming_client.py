@@ -1,6 +1,6 @@
 """Load through a real server: :class:`StreamingClient` multiplexes every request
 over one gRPC stream and logs each response's time (a
-:class:`~tandem.client.serving_workload.StreamLog` per request); :func:`closed_loop`
+:class:`~tandem.client.bench.serving_workload.StreamLog` per request); :func:`closed_loop`
 keeps a number of requests in flight on each client and reports throughput and TTFT.
 
 >>> client = StreamingClient(server.grpc_url, "tandem")            # doctest: +SKIP
@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 
-from .serving_workload import StreamLog, percentile
+from tandem.client.bench.serving_workload import StreamLog, percentile
 
 
 class StreamingClient:
@@ -32,7 +32,7 @@ class StreamingClient:
         self.client.start_stream(callback=self._on_response)
 
     def send(self, kind: str, prompt: str, prompt_tokens: int, max_tokens: int) -> str:
-        from .generate import build_inputs
+        from tandem.client.generate import build_inputs
         rid = f"{kind}-{next(self._ids)}"
         log = StreamLog(rid, kind, prompt_tokens, time.monotonic())
         with self._lock:
@@ -47,7 +47,7 @@ class StreamingClient:
         if error is not None:
             self.errors.append(str(error))
             return
-        from .generate import parse_response
+        from tandem.client.generate import parse_response
         r = parse_response(result)
         rid = result.get_response().id
         log = self.logs.get(rid)

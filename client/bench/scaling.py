@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
-from .bench_args import CommaList, cpu_list, positive_float, positive_int, positive_ints
-from .bench_common import long_context_copy, prompt_texts, work_dir
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
-from .streaming_client import StreamingClient, closed_loop
+from tandem.client.bench.args import CommaList, cpu_list, positive_float, positive_int, positive_ints
+from tandem.client.bench.harness import long_context_copy, prompt_texts, start_server, work_dir
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.bench.streaming_client import StreamingClient, closed_loop
 
 DEFAULT_OUT = Path("docs/bench/scaling.json")
 
@@ -44,24 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> dict:
-    from .serve_options import ServeOptions
-    from .triton_server import TritonServer
+    from tandem.client.serve.options import ServeOptions
     common = dict(model_dir=str(model_dir), dtype=args.dtype, torch_threads=1, max_num_seqs=32,
                   max_num_batched_tokens=512)
-    servers = []
-    try:
-        prefill = TritonServer(ServeOptions(mode="prefill", **common), run_dir=work / f"p{n}",
-                               log_file=work / f"p{n}.log", cpus=tuple(args.prefill_cpus),
-                               ready_timeout_s=600)
-        servers.append(prefill)
-        prefill.start()
-        for i in range(n):
-            d = TritonServer(ServeOptions(prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **common),
-                             run_dir=work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
-                             cpus=tuple(args.decode_cpus), ready_timeout_s=600)
-            servers.append(d)
-            d.start()
-        clients = [StreamingClient(s.grpc_url, "tandem") for s in servers[1:]]
+    with ExitStack() as stack:   # stops the servers (last started first), also on Ctrl-C
+        prefill = start_server(stack, ServeOptions(mode="prefill", **common), work / f"p{n}",
+                               log_file=work / f"p{n}.log", cpus=tuple(args.prefill_cpus))
+        decoders = [start_server(stack, ServeOptions(prefill_endpoints=prefill.grpc_url, disagg_policy="remote",
+                                                     **common), work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
+                                 cpus=tuple(args.decode_cpus)) for i in range(n)]
+        clients = [StreamingClient(s.grpc_url, "tandem") for s in decoders]
         try:
             closed_loop(clients, prompts, args.prompt_tokens, 1, 4, 3.0)   # warm-up
             stats = closed_loop(clients, prompts, args.prompt_tokens, args.streams,
@@ -69,9 +62,6 @@ def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> di
         finally:
             for c in clients:
                 c.close()
-    finally:
-        for s in reversed(servers):
-            s.stop()
     stats["decoders"] = n
     print(f"  {n} decode server(s): " + "  ".join(f"{k}={v}" for k, v in stats.items()), flush=True)
     return stats

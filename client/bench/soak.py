@@ -22,12 +22,12 @@ from pathlib import Path
 
 from tandem.rdma.faults import POINTS as FAULT_POINTS
 
-from .bench_args import (ArgumentTypeError, fraction, non_negative_float, positive_float,
+from tandem.client.bench.args import (ArgumentTypeError, fraction, non_negative_float, positive_float,
                          positive_int)
-from .bench_common import started, work_dir
-from .bench_report import header, save_figure, write
-from .paths import DEMO_CHECKPOINTS
-from .soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
+from tandem.client.bench.harness import start_server, work_dir
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.bench.soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
 
 MODEL = "tandem"
 PROMPTS = [
@@ -98,7 +98,7 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
     """Send ``req`` on its own gRPC stream; cancel it where the plan says."""
     import tritonclient.grpc as grpcclient
 
-    from .generate import build_inputs, parse_response
+    from tandem.client.generate import build_inputs, parse_response
 
     from tritonclient.utils import InferenceServerException
 
@@ -241,16 +241,15 @@ def run(args: argparse.Namespace) -> int:
 def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stack: ExitStack):
     """The requests and kills against a server started on ``stack``: (outcomes,
     recoveries, start, elapsed seconds, pages before, pages after)."""
-    from .serve_options import ServeOptions
-    from .triton_server import TritonServer
+    from tandem.client.serve.options import ServeOptions
+    from tandem.client.serve.triton_server import TritonServer
 
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
     options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
                            disagg_policy="remote")   # the transfer path under faults
-    server = started(stack, TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
-                                         model_control_mode="explicit", ready_timeout_s=300,
-                                         exit_timeout_s=60))
+    server = start_server(stack, options, run_dir, log_file=run_dir / "tritonserver.log",
+                          model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60)
     before = wait_idle(server.metrics_url)
     todo = iter(plan)
     lock = threading.Lock()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from typing import Callable
 
-from .bench_args import comma_list, positive_int, positive_ints
-from .bench_common import timed
-from .bench_repeats import error_bars, fmt, spread
-from .bench_report import header, save_figure, write
+from tandem.client.bench.args import comma_list, positive_int, positive_ints
+from tandem.client.bench.harness import timed
+from tandem.client.bench.repeats import error_bars, fmt, spread
+from tandem.client.bench.report import header, save_figure, write
 
 DEMO = Path("checkpoints/demo")
 DEFAULT_OUT = Path("docs/bench/spec.json")

@@ -1,0 +1,1 @@
+"""``tandem bench``: the registry, one module per benchmark, their workloads and harness."""

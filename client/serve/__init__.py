@@ -1,0 +1,1 @@
+"""``tandem serve``: options, tritonserver's launch and supervision, the repository it serves."""

@@ -1,0 +1,1 @@
+"""``tandem train``: training the demo target, draft and MTP head."""
