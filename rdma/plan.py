@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# rdma imports nothing of tandem (the layer order), so it holds its own copy of
+# tandem.backends.kv_cache.pages' names and page count; tests/rdma/test_plan.py holds
+# the two equal. The order is the wire's layout code (wire.py).
 KV_LAYOUTS = ("HND", "NHD")
 
 # bytes per element; the transfer moves bytes and never needs the dtype itself
@@ -41,7 +44,11 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
-    """ceil(num_tokens / page_size)."""
+    """ceil(num_tokens / page_size).
+
+    >>> pages_needed(33, 16)
+    3
+    """
     return -(-num_tokens // page_size)
 
 
@@ -110,7 +117,8 @@ class ModelSpec:
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout {self.kv_layout!r} is not supported; allowed: HND, NHD")
+            raise ValueError(f"kv_layout {self.kv_layout!r} is not supported; allowed: "
+                             f"{', '.join(KV_LAYOUTS)}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: "
                              f"{', '.join(DTYPE_SIZES)}")
@@ -193,7 +201,7 @@ def _page_box(kv_layout, src_heads, dst_heads, heads, page_size, head_dim):
         return [kv, head, tok, dim]
     if kv_layout == "NHD":
         return [kv, tok, head, dim]
-    raise ValueError(f"kv_layout {kv_layout!r} is not supported; allowed: HND, NHD")
+    raise ValueError(f"kv_layout {kv_layout!r} is not supported; allowed: {', '.join(KV_LAYOUTS)}")
 
 
 def _merged_from(dims) -> int:

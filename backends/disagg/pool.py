@@ -9,6 +9,8 @@ from tandem.rdma import ModelSpec, PoolSpec
 from tandem.rdma.plan import DTYPE_SIZES
 
 from ..engine.prefill_engine import TARGET  # the target model's KV in the pool
+from ..engine.request_limits import lookahead_slots
+from ..kv_cache.pages import pages_needed
 from ..models.config import ModelConfig
 from ..speculative import SpeculativeConfig
 
@@ -43,13 +45,6 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
                     headroom_pages=min(headroom_pages, num_pages - 1))
 
 
-def lookahead_slots(speculative: SpeculativeConfig | None) -> int:
-    """Token slots a decoding sequence holds beyond its tokens (the engine's rule)."""
-    if speculative is None or not speculative.enabled:
-        return 0
-    return speculative.num_speculative_tokens + 1
-
-
 def default_headroom(num_pages: int, page_size: int, max_num_seqs: int,
                      speculative: SpeculativeConfig | None = None) -> int:
     """Pages that let every running sequence grow by one page (and its speculative
@@ -58,7 +53,7 @@ def default_headroom(num_pages: int, page_size: int, max_num_seqs: int,
     >>> default_headroom(4096, 16, 64), default_headroom(40, 4, 8)
     (64, 8)
     """
-    per_seq = -(-(1 + lookahead_slots(speculative)) // page_size)
+    per_seq = pages_needed(1 + lookahead_slots(speculative), page_size)
     return min(max_num_seqs * per_seq, num_pages // 4)
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import KVPagePool
+from ..kv_cache import KVPagePool, pages_needed
 from .graph_runner import pad_decode_batch, padded_size
 from .model_runner import ForwardBatch
+from .request_limits import MAX_LOOKAHEAD_SLOTS
 
 COMPILED_SIZES = [1, 2]
 
@@ -89,7 +90,7 @@ def step_inputs(batch: ForwardBatch, page_size: int, num_kv_heads: int, dtype,
     ([4], [1], [6, 8, 7, 9], torch.Size([1, 1, 1, 33]), 18)
     """
     ends = [s + 1 for s in batch.starts]
-    need = [-(-e // page_size) for e in ends]
+    need = [pages_needed(e, page_size) for e in ends]
     width = 1 << (max(need) - 1).bit_length()
     table = torch.tensor([pages[:n] + [scratch_page] * (width - n)
                           for pages, n in zip(batch.page_lists, need)])          # [B, P]
@@ -121,7 +122,7 @@ class CompiledDecode:
         self.dtype = next(model.parameters()).dtype
         # static shapes: one graph per (batch size, power-of-two page count); dynamic
         # shapes measured far slower here
-        pages_max = -(-(cfg.max_position_embeddings + 17) // pool.page_size)
+        pages_max = pages_needed(cfg.max_position_embeddings + MAX_LOOKAHEAD_SLOTS, pool.page_size)
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, len(COMPILED_SIZES) * pages_max.bit_length() + 2)
         self.step = torch.compile(decode_step(model, pool.page_size), dynamic=False)

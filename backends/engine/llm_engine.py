@@ -19,10 +19,10 @@ from .graph_runner import GraphedDecode
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
-from .ngram import NgramProposer
 from .params import SamplingParams
-from .proposers import (DraftModelProposer, StepHidden, draft_vocab_ids, load_proposer_model,
-                        make_proposer)
+from .proposers import (DraftModelProposer, NgramProposer, StepHidden, draft_vocab_ids,
+                        load_proposer_model, make_proposer)
+from .request_limits import MAX_LOOKAHEAD_SLOTS, check_context, check_pool_fit, lookahead_slots
 from .sampler import sample, token_logprobs, verify_drafts
 from .scheduler import Scheduler
 from .scheduler import ScheduledSeq
@@ -77,7 +77,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         # positions up to the context plus speculative lookahead (the table cannot grow
         # on a GPU without a host sync)
-        self.model.rotary_table().reserve(self.max_model_len + 17)
+        self.model.rotary_table().reserve(self.max_model_len + MAX_LOOKAHEAD_SLOTS)
         self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
         page_size = config.page_size
         dtype = self.model.embed_tokens.weight.dtype
@@ -98,8 +98,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool)
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
-        # with speculation a decode step writes k drafts past the scheduled token
-        self.num_lookahead_slots = self.num_speculative_tokens + (1 if spec.enabled else 0)
+        self.num_lookahead_slots = lookahead_slots(spec)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.num_lookahead_slots)
         self.decode_graphs: GraphedDecode | CompiledDecode | None = None
@@ -182,18 +181,9 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = self.tokenize(prompt)
-        total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context (max_model_len) is "
-                             f"{self.max_model_len}, leaving room for at least one new token")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the context (max_model_len={self.max_model_len}); "
-                             f"allowed: max_tokens <= {self.max_model_len - len(ids)}")
-        need = pages_needed(total + self.num_lookahead_slots, self.config.page_size)
-        if need > self.allocator.num_pages:
-            raise ValueError(f"request needs {need} KV pages ({total} tokens), the pool has "
-                             f"{self.allocator.num_pages}; lower max_tokens or raise num_pages")
+        check_context(len(ids), params.max_tokens, self.max_model_len)
+        check_pool_fit(len(ids), params.max_tokens, self.config.page_size,
+                       self.allocator.num_pages, self.num_lookahead_slots)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -244,9 +234,9 @@ class LLMEngine:
         n = len(seq.prompt_ids)
         if seq.output_ids or seq.num_computed or seq.pages:
             raise ValueError(f"request {seq.request_id!r} is not a fresh sequence")
-        if len(pages) != pages_needed(n - 1, self.config.page_size):
-            raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected "
-                             f"{pages_needed(n - 1, self.config.page_size)}")
+        expected = pages_needed(n - 1, self.config.page_size)
+        if len(pages) != expected:
+            raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected {expected}")
         seq.pages, seq.num_computed = list(pages), n - 1
         if self.proposer is not None:
             # the prefill filled the proposer's KV for the same tokens (its rows 0..n-2)

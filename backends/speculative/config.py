@@ -7,6 +7,7 @@ METHODS = ("draft_target", "mtp", "ngram")
 KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}     # ngram proposes without a model or KV
 NO_SPECULATION = "none"            # how settings and the CLI spell method=None
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+MAX_NUM_SPECULATIVE_TOKENS = 16   # the most drafts one step verifies
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,8 +60,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method={self.method!r} is invalid; allowed: "
                              f"{', '.join(METHODS)} or None")
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: 1..16")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} is invalid; allowed: "
+                             f"1..{MAX_NUM_SPECULATIVE_TOKENS}")
         if self.method == "draft_target" and not self.draft_model:
             raise ValueError("method='draft_target' needs draft_model (a checkpoint directory)")
         if self.method == "mtp" and not self.mtp_head:

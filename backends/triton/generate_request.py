@@ -88,6 +88,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..engine import request_limits
+
 # name -> (Triton type, dims without the batch dimension); all optional
 SAMPLING_INPUTS = {
     "max_tokens": ("TYPE_INT32", [1]),
@@ -409,11 +411,15 @@ def check_text_length(text: str, max_model_len: int, max_token_bytes: int) -> No
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str) -> None:
-    """The prompt must leave room for ``max_tokens`` new tokens in the context."""
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise RequestError(prompt_field, f"has {num_prompt_tokens} tokens; the context is {max_model_len} "
-                                         "tokens, leaving room for at least one new token")
-    if max_tokens > room:
-        raise RequestError("max_tokens", f"got {max_tokens}; the prompt has {num_prompt_tokens} tokens of a "
-                                         f"{max_model_len}-token context; allowed: <= {room}")
+    """The prompt must leave room for ``max_tokens`` new tokens in the context (the
+    engine's rule, :func:`~tandem.backends.engine.request_limits.check_context`), the
+    prompt named by its input ``prompt_field``."""
+    try:
+        request_limits.check_context(num_prompt_tokens, max_tokens, max_model_len)
+    except request_limits.LimitError as e:
+        raise as_request_error(e, prompt_field) from None
+
+
+def as_request_error(e: request_limits.LimitError, prompt_field: str = "input_ids") -> RequestError:
+    """A broken request limit as the input it names (the prompt as ``prompt_field``)."""
+    return RequestError(prompt_field if e.field == "prompt" else e.field, e.problem)

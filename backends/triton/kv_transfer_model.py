@@ -32,8 +32,10 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
+from ..engine.request_limits import LimitError, check_pool_fit, lookahead_slots
+from ..kv_cache.pages import pages_needed
 from .disagg_common import KV_DESCRIPTOR, LOCAL, NO_TRANSFER, as_bytes_tensor, pool_spec
-from .generate_request import RequestError, parse_token_request
+from .generate_request import RequestError, as_request_error, parse_token_request
 from .inputs import input_getter
 from .metrics import Poller, TransferMetrics
 from .per_request import PerRequestModel, error_response
@@ -42,7 +44,7 @@ from .settings import EngineSettings, model_limits
 
 class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
-        from tandem.backends.disagg import lookahead_slots, open_or_create
+        from tandem.backends.disagg import open_or_create
         from tandem.rdma import KVReceiver, ReceiverConfig
 
         name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
@@ -116,14 +118,12 @@ class TritonPythonModel(PerRequestModel):
     def _check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int = 1) -> None:
         """Refuse what the pool can never hold (decode would refuse it after the
         prefill): every sample's whole sequence in the pool, its prompt in one reservation."""
-        from tandem.rdma.plan import pages_needed
-
         spec, page_size = self.pool.spec, self.pool.spec.models[0].page_size
-        need = pages_needed(prompt_len + max_tokens + self.lookahead, page_size)
-        if need > spec.num_pages:
-            raise RequestError("max_tokens", f"the prompt ({prompt_len} tokens) + max_tokens "
-                               f"({max_tokens}) need {need} KV pages; the decode pool has "
-                               f"{spec.num_pages} (lower max_tokens, or serve with more num_pages)")
+        try:
+            need = check_pool_fit(prompt_len, max_tokens, page_size, spec.num_pages,
+                                  self.lookahead, pool="decode pool")
+        except LimitError as e:
+            raise as_request_error(e) from None
         if need * num_sequences > spec.num_pages:
             raise RequestError("num_return_sequences", f"{num_sequences} samples need {need} KV pages "
                                f"each; the decode pool has {spec.num_pages} (ask for fewer samples, or "

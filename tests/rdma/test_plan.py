@@ -199,3 +199,14 @@ def test_pieces_are_contiguous_in_both_layouts():
     row = 4 * 128 * 2
     assert [(x.src_off, x.dst_off) for x in p] == [(row, 0), (3 * row, row), (5 * row, 2 * row),
                                                    (7 * row, 3 * row)]
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64])
+def test_layout_names_and_page_count_are_the_backends(page_size):
+    """rdma holds its own copy (it imports nothing of tandem): the same names in the
+    same order (the wire's layout code) and the same page count."""
+    from tandem.backends.kv_cache import pages
+
+    assert tandem.rdma.plan.KV_LAYOUTS == pages.KV_LAYOUTS
+    assert all(tandem.rdma.plan.pages_needed(n, page_size) == pages.pages_needed(n, page_size)
+               for n in range(4 * page_size + 2))
