@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
-from tandem.backends.engine.ngram import propose_ngram
+from tandem.backends.engine.proposers.ngram import propose_ngram
 
 from .tiny_checkpoints import make_checkpoint
 

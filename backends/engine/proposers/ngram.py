@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .sequence import Sequence
+from ..sequence import Sequence
+from .base import DraftProcess, StepHidden
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, max_n: int = 3, min_n: int = 1
@@ -37,11 +38,10 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, max_n: int = 3, min_n:
 
 
 class NgramProposer:
-    """The ``ngram`` method's proposer (the engine's proposer protocol, without a model
-    or KV). A sequence is ready when its tokens hold a match; a batch speculates only
-    when all of its sequences are, otherwise it decodes plainly (a verify step of k+1
-    positions costs more than a decode step, so a sequence without a proposal is not
-    padded into one)."""
+    """The ``ngram`` method's :class:`~.base.Proposer`, without a model or KV. A sequence
+    is ready when its tokens hold a match; a batch speculates only when all of its
+    sequences are, otherwise it decodes plainly (a verify step of k+1 positions costs
+    more than a decode step, so a sequence without a proposal is not padded into one)."""
 
     def __init__(self, k: int, max_n: int, min_n: int):
         self.k, self.max_n, self.min_n = k, max_n, min_n
@@ -55,10 +55,11 @@ class NgramProposer:
         self._found[seq.request_id] = found
         return True
 
-    def catch_up(self, seqs, step_hidden=None) -> None:
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Nothing to catch up: no model has to see the tokens."""
 
-    def propose(self, seqs: list[Sequence], k: int, process=None) -> torch.Tensor:
+    def propose(self, seqs: list[Sequence], k: int,
+                process: DraftProcess | None = None) -> torch.Tensor:
         # a match near the end gives fewer than k tokens: the last one repeats (verified
         # like any draft, so only speed depends on it)
         rows = []

@@ -1,0 +1,15 @@
+"""Speculative decoding's proposers, one module each, behind one protocol
+(:class:`~.base.Proposer`): the draft model (:mod:`.draft`), the MTP head (:mod:`.mtp`)
+and prompt lookup (:mod:`.ngram`); :mod:`.prefill` fills a proposer's KV on the
+prefill side of disaggregated speculation."""
+from .base import DraftProcess, Proposer, StepHidden
+from .draft import DraftModelProposer
+from .load import load_proposer_model, make_proposer
+from .mtp import MTPProposer
+from .ngram import NgramProposer, propose_ngram
+from .prefill import ProposerPrefill
+from .vocab import DraftVocab, draft_vocab_ids
+
+__all__ = ["DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer", "NgramProposer",
+           "Proposer", "ProposerPrefill", "StepHidden", "draft_vocab_ids", "load_proposer_model",
+           "make_proposer", "propose_ngram"]

@@ -1,0 +1,43 @@
+"""The proposer protocol: what the engine asks of a speculative method's drafter.
+
+A proposer keeps, per sequence, whatever lets it draft from where the target is
+(the draft model's and MTP head's ``seq.draft``: cached length and the logits their
+last run left for the next step's first draft token). The engine calls, in order:
+
+- ``ready(seq)`` — can it draft for this sequence now? A batch speculates only when
+  every sequence in it is ready; otherwise it decodes plainly;
+- ``catch_up(seqs, step_hidden)`` after a plain (prefill, decode or mixed) target step;
+- ``propose(seqs, k, process)`` -> ``[B, k]`` greedy draft tokens (``process``, when
+  given, changes each step's draft logits in place first: the requests' logits controls);
+- ``after_verify(seqs, tokens, target_hidden, starts)`` once the target has verified.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from ..sequence import Sequence
+
+# per request id: (first target position computed this step, hidden rows [n, H])
+StepHidden = dict[str, tuple[int, torch.Tensor]]
+# (draft logits [B, V], the drafts so far [B, j] or None) -> None, in place
+DraftProcess = Callable[[torch.Tensor, "torch.Tensor | None"], None]
+
+
+class Proposer(Protocol):
+    def ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can be drafted for in this step."""
+
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+        """Bring the proposer's state up to the target's after a plain step
+        (``step_hidden``: the target's hidden rows of that step, for an MTP head)."""
+
+    def propose(self, seqs: list[Sequence], k: int,
+                process: DraftProcess | None = None) -> torch.Tensor:
+        """``[B, k]`` draft tokens for ``seqs``, each of which is ``ready``."""
+
+    def after_verify(self, seqs: list[Sequence], tokens: torch.Tensor, target_hidden: torch.Tensor,
+                     starts: list[int]) -> None:
+        """The target verified: ``tokens`` ``[B, k+1]`` (-1 padded past the accepted ones),
+        ``target_hidden`` ``[B, k+1, H]``, ``starts`` the target's cached length before."""

@@ -1,0 +1,66 @@
+"""Draft-target speculation's proposer: a small draft model with its own KV, kept one
+token ahead of the target's."""
+from __future__ import annotations
+
+import torch
+
+from ...kv_cache import KVPagePool
+from ...models import LlamaForCausalLM
+from ..model_runner import ForwardBatch, ModelRunner
+from ..sequence import Sequence
+from .base import DraftProcess, StepHidden
+from .vocab import DraftVocab
+
+
+class DraftModelProposer:
+    """Draft-target: the draft has seen every token of the sequence (its KV is one
+    token ahead of the target's) and carries the logits for the next one."""
+
+    def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
+                 vocab_ids: torch.Tensor | None = None):
+        self.runner = ModelRunner(draft, pool)
+        self.vocab = DraftVocab(draft.norm, draft.lm_head, vocab_ids)
+        # graphed (GPU) or compiled (CPU) decode steps, when the engine has them
+        self.fast_decode = None
+
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        return seq.draft.computed == seq.num_tokens and seq.draft.logits is not None
+
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+        """Feed the draft the tokens it has not seen, up to one past the target's cache."""
+        todo = [(s, s.draft.computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]
+        todo = [(s, a, b) for s, a, b in todo if b > a]
+        if not todo:
+            return
+        batch = ForwardBatch([s.token_ids(a, b) for s, a, b in todo], [a for _, a, _ in todo],
+                             [s.pages for s, _, _ in todo])
+        inputs, hidden = self.runner.forward(batch)
+        logits = self.vocab.logits(hidden[inputs.last_rows])
+        for i, (s, _, b) in enumerate(todo):
+            s.draft.computed = b
+            s.draft.logits = logits[i] if b == s.num_tokens else None
+
+    def propose(self, seqs: list[Sequence], k: int,
+                process: DraftProcess | None = None) -> torch.Tensor:
+        drafts: list[torch.Tensor] = []
+        token = self.vocab.greedy(torch.stack([s.draft.logits for s in seqs]), drafts, process)
+        drafts.append(token)
+        for _ in range(k - 1):
+            batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
+                                 [s.pages for s in seqs])
+            hidden = None if self.fast_decode is None else self.fast_decode.forward(batch)
+            if hidden is None:
+                _, hidden = self.runner.forward(batch)
+            for s in seqs:
+                s.draft.computed += 1
+            token = self.vocab.greedy(self.vocab.logits(hidden), drafts, process)
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def after_verify(self, seqs, tokens, target_hidden, starts) -> None:
+        # the draft's KV stays valid only as far as its tokens were accepted
+        for s in seqs:
+            s.draft.computed = min(s.draft.computed, s.num_computed)
+            s.draft.logits = None
+        self.catch_up(seqs)
