@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -11,12 +12,21 @@ from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.models import load_model
 from tandem.backends.models.llama import forward_dense
 from tandem.backends.models.mtp import MTPHead, save_mtp_head
-from tandem.backends.engine.proposers import MTPProposer
+from tandem.backends.engine.proposers import DraftModelProposer, MTPProposer, NgramProposer, Proposer
 
 from .test_parity import NEW_TOKENS, hf_greedy, prompts
 from .tiny_checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("cls", [DraftModelProposer, MTPProposer, NgramProposer])
+def test_every_proposer_has_the_protocols_methods(cls):
+    """The engine calls a proposer only through :class:`Proposer`'s methods, by keyword too."""
+    for name in ("ready", "catch_up", "propose", "after_verify"):
+        want = [p for p in inspect.signature(getattr(Proposer, name)).parameters if p != "self"]
+        got = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "self"]
+        assert got == want, (cls.__name__, name)
 
 
 @pytest.fixture(scope="module")
