@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv_cache.pages import pages_needed
 from . import layout
 
 # Extra cost of one more SDPA call, in units of (query row x kv position).
@@ -124,7 +125,7 @@ def _build_group(
     n = len(members)
     qo_list, kv_list = [qo_lens[b] for b in members], [kv_lens[b] for b in members]
     qo_max, kv_max = max(qo_list), max(kv_list)
-    pages_max = -(-kv_max // page_size)
+    pages_max = pages_needed(kv_max, page_size)
     starts = [kv_ptr[b] for b in members]
     counts = [kv_ptr[b + 1] - kv_ptr[b] for b in members]
     if all(c == pages_max for c in counts) and starts == list(range(starts[0], starts[0] + n * pages_max, pages_max)):

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..attention import BatchDecodeWithPagedKVCacheWrapper
-from ..kv_cache import KVPagePool, PageTable
+from ..kv_cache import KVPagePool, PageTable, pages_needed
 from .model_runner import ForwardBatch, PagedAttention, StepInputs
 
 
@@ -130,7 +130,7 @@ class _Captured:
         """Copy a padded batch into the static buffers and plan; returns its page count."""
         r, ps = self.runner, self.runner.pool.page_size
         ends = self.kv_lens = [s + 1 for s in batch.starts]
-        lists = [pages[:-(-end // ps)] for pages, end in zip(batch.page_lists, ends)]
+        lists = [pages[:pages_needed(end, ps)] for pages, end in zip(batch.page_lists, ends)]
         short = [i for i, (pages, end) in enumerate(zip(lists, ends)) if len(pages) * ps < end]
         if short:
             raise ValueError(f"rows {short} hold fewer pages than their KV length needs")
