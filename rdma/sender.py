@@ -57,6 +57,19 @@ class SenderConfig:
     faults: Faults | None = None     # fault injection (tests, benchmarks)
 
 
+@dataclass(slots=True)
+class SenderStats:
+    """Counters since start (read from any thread; written on the messenger thread)."""
+    transfers: int = 0       # transfers begun
+    failed: int = 0          # ... that failed (refused, aborted, timed out, dropped, send error)
+    ops_completed: int = 0   # operations of the transfers that completed
+    bytes_sent: int = 0      # ... and their bytes
+    staged_ops: int = 0      # operations sent from a staging copy (a gathered run of pages)
+    refused: int = 0         # Opens the receiver refused (reservation gone, wrong secret)
+    aborted: int = 0         # transfers the decode side ended (cancelled, lease timed out)
+    dropped: int = 0         # transfers abandoned by fault injection (drop_sender)
+
+
 @dataclass(frozen=True, slots=True)
 class SourcePool:
     """One prefill rank's KV pool of one model: geometry plus its memory as flat bytes
@@ -153,8 +166,7 @@ class KVSender(Messenger):
         self._peers: dict[bytes, _Peer] = {}
         self._active: set[Transfer] = set()
         self._faults = self.config.faults
-        self.stats = {"transfers": 0, "failed": 0, "ops": 0, "bytes": 0, "staged_ops": 0,
-                      "refused": 0, "aborted": 0, "dropped": 0}
+        self.stats = SenderStats()
         self._open(name, self.config.net_devices, self.config.transports)
 
     # -- any thread ----------------------------------------------------------------------
@@ -232,7 +244,7 @@ class KVSender(Messenger):
     # -- messenger thread ----------------------------------------------------------------
     def _start(self, t: Transfer) -> None:
         """Open the transfer: prove the reservation's secret; data waits for the Ack."""
-        self.stats["transfers"] += 1
+        self.stats.transfers += 1
         self._active.add(t)
         addr = t.desc.worker_address
         peer = self._peers.get(addr)
@@ -321,7 +333,7 @@ class KVSender(Messenger):
                 pb = src.page_bytes
                 buf = _gather(src.data, [(base + p * pb, base + (p + 1) * pb)
                                          for p in t.src_pages[first:first + npages]])
-                self.stats["staged_ops"] += 1
+                self.stats.staged_ops += 1
             self._send(t, ep, buf, t.plan.op_index(m, layer, row), nbytes, staged)
         self._check_done(t)
 
@@ -351,8 +363,8 @@ class KVSender(Messenger):
     def _check_done(self, t: Transfer) -> None:
         if t.done or not t.all_completed:
             return
-        self.stats["ops"] += t.completed
-        self.stats["bytes"] += t.bytes_sent
+        self.stats.ops_completed += t.completed
+        self.stats.bytes_sent += t.bytes_sent
         self._finish(t)
 
     def _finish(self, t: Transfer, error: Exception | None = None) -> None:
@@ -367,7 +379,7 @@ class KVSender(Messenger):
     def _fail(self, t: Transfer, err: Exception) -> None:
         if t.done:
             return
-        self.stats["failed"] += 1
+        self.stats.failed += 1
         log.warning("KV transfer to reservation %d/%d failed: %s", t.desc.slot,
                     t.desc.generation, err)
         peer = self._peers.get(t.desc.worker_address)
@@ -377,7 +389,7 @@ class KVSender(Messenger):
 
     def _drop(self, t: Transfer) -> None:
         """Fault injection: stop feeding ``t`` without a word, as a killed sender would."""
-        self.stats["dropped"] += 1
+        self.stats.dropped += 1
         self._fail(t, TransferError("a fault was injected (TANDEM_FAULTS drop_sender): the "
                                     "transfer was abandoned half-way"))
 
@@ -410,7 +422,7 @@ class KVSender(Messenger):
             if isinstance(msg, Ack):
                 self._activate(t)
             else:
-                self.stats["refused"] += 1
+                self.stats.refused += 1
                 self._fail(t, TransferCancelled(f"the decode side refused the transfer: "
                                                 f"{msg.message}"))
             return
@@ -419,7 +431,7 @@ class KVSender(Messenger):
         for t in list(self._active):
             d = t.desc
             if (d.slot, d.generation) == (msg.slot, msg.generation) and d.proves(msg.secret):
-                self.stats["aborted"] += 1
+                self.stats.aborted += 1
                 why = FAILURE_REASONS.get(msg.reason, f"error {msg.reason}")
                 self._fail(t, TransferCancelled(f"the decode side ended reservation "
                                                 f"{d.slot}/{d.generation}: {why}"))

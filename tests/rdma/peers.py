@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import traceback
+from dataclasses import asdict
 
 import numpy as np
 
@@ -188,7 +189,6 @@ def rx_trace(slot: int, gen: int) -> dict:
 
 
 def rx_stats() -> dict:
-    from dataclasses import asdict
     return asdict(_state["rx"].stats)
 
 
@@ -261,7 +261,7 @@ def tx_run(jobs, chunk_tokens: int = 1 << 30, layer_delay_s: float = 0.0,
 def tx_state() -> dict:
     tx: KVSender = _state["tx"]
     return {"active": len(tx._active), "peers": len(tx._peers), "freed": list(_state["freed"]),
-            "stats": dict(tx.stats)}
+            "stats": asdict(tx.stats)}
 
 
 # a raw UCX peer for protocol tests ----------------------------------------------------

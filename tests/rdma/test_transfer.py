@@ -97,6 +97,8 @@ def test_many_requests_at_once_arrive_bit_exact(layout, page_size, max_run_pages
     now = pool.stats()
     assert (now.free, now.reserved, now.in_use) == (start.free, start.reserved, start.in_use)
     assert tx0("tx_state")["freed"] == [len(s) for s in src_pages]   # prefill freed every page
+    sent = tx0("tx_state")["stats"]
+    assert sent["failed"] == 0 and sent["ops_completed"] == sum(d.expected_ops for d in descs)
 
 
 def test_duplicates_and_malformed_messages_never_move_the_counter(make_pool, rx, tx1):

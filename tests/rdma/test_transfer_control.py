@@ -50,6 +50,8 @@ def test_a_forged_descriptor_cannot_feed_another_requests_reservation(make_pool,
     [res] = tx0("tx_run", [(forged.to_bytes(), list(range(8)))], wait_s=10)
     assert res["error"].startswith("TransferCancelled") and "wrong secret" in res["error"]
     assert res["sent"] == 0 and rx("rx_stats")["refused"] == 1
+    sent = tx0("tx_state")["stats"]
+    assert (sent["transfers"], sent["refused"], sent["failed"]) == (1, 1, 1)
     st = pool.poll(victim.slot, victim.generation)
     assert st.state == RESERVED and st.completed == 0      # untouched
     src_pages = [9, 2, 3, 4, 11, 12, 13, 0]
