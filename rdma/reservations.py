@@ -93,9 +93,6 @@ class Reservations:
         """Every slot free (a new pool)."""
         self._ctl.slot_state[:] = FREE
 
-    def has_free_slot(self) -> bool:
-        return bool((self._ctl.slot_state == FREE).any())
-
     def num_active(self) -> int:
         """Reservations RESERVED or READY."""
         state = self._ctl.slot_state
