@@ -1,4 +1,6 @@
-"""Engine settings carried by a model's ``config.pbtxt`` ``parameters``.
+"""Engine settings carried by a model's ``config.pbtxt`` ``parameters``, each field
+declared once with what ``tandem serve`` needs to offer it as an option (:func:`setting`:
+its flag and help; the ``TANDEM_*`` variable follows from the flag).
 
 ``tandem serve`` renders them into the config; Triton hands the config to the
 model as JSON (``args["model_config"]``), where each parameter reads
@@ -7,58 +9,141 @@ model as JSON (``args["model_config"]``), where each parameter reads
 >>> cfg = {"parameters": {"model_dir": {"string_value": "/m"}, "page_size": {"string_value": "32"}}}
 >>> s = EngineSettings.from_model_config(cfg)
 >>> (s.model_dir, s.page_size, s.kv_layout, s.num_pages)
-('/m', 32, 'HND', None)
+('/m', 32, 'HND', 0)
+>>> flag_of(fields(EngineSettings)[0]).flag
+'--model'
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 
 from ..engine.config import ENGINE_DEFAULTS, EngineConfig
-from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION,
+from ..kv_cache.pages import KV_LAYOUTS
+from ..models.config import DTYPES
+from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, NO_SPECULATION,
                                   SpeculativeConfig)
 
-STRING_FIELDS = ("model_dir", "dtype", "kv_layout", "spec_method", "draft_model", "mtp_head",
-                 "prefill_endpoints", "kv_interface", "kv_transports", "faults", "disagg_policy")
 # environment fallbacks of the KV transfer's settings (a parameter in config.pbtxt wins)
 ENV_INTERFACE = "TANDEM_KV_INTERFACE"
 ENV_TRANSPORTS = "TANDEM_KV_TRANSPORTS"
 ENV_FAULTS = "TANDEM_FAULTS"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+FIELD_DEFAULT = object()   # a flag's default is its field's
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How a setting is offered on a command line: ``--page-size`` (``TANDEM_PAGE_SIZE`` in the
+    environment), its help (argparse's ``%(default)s`` allowed), choices, metavar, and
+    its default there when that is not the field's (a server's fixed ports against a
+    library's free ones)."""
+
+    flag: str
+    help: str = ""
+    choices: tuple | None = None
+    metavar: str | None = None
+    default: object = FIELD_DEFAULT
+
+
+def setting(default=None, flag: str | None = None, help: str = "", *, choices=None, metavar=None,
+            default_factory=None, flag_default=FIELD_DEFAULT) -> Field:
+    """A dataclass field; with ``flag``, also a command-line option (see :class:`Flag`)."""
+    metadata = ({"flag": Flag(flag, help, tuple(choices) if choices else None, metavar, flag_default)}
+                if flag else {})
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def flag_of(f: Field) -> Flag | None:
+    """The command-line option of a field declared with :func:`setting` (None: none)."""
+    return f.metadata.get("flag")
+
+
+def parse_value(f: Field, raw: str):
+    """``raw`` (a config.pbtxt string) as the value of field ``f``, by its annotation.
+
+    >>> [parse_value(f, "1") for f in fields(EngineSettings) if f.name in ("page_size", "compile", "dtype")]
+    ['1', 1, True]
+    """
+    kind = str(f.type)
+    if kind == "str":
+        return raw
+    if kind == "bool":
+        word = raw.lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"config.pbtxt: parameter {f.name}={raw!r}; allowed: 1 or 0")
+        return word in _TRUE
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"config.pbtxt: parameter {f.name}={raw!r} is not an integer") from None
 
 
 @dataclass(slots=True, frozen=True)
 class EngineSettings:
-    model_dir: str
-    dtype: str = ENGINE_DEFAULTS["dtype"]
-    page_size: int = ENGINE_DEFAULTS["page_size"]
-    num_pages: int | None = None          # None or 0: the engine sizes the pool
-    kv_layout: str = ENGINE_DEFAULTS["kv_layout"]
-    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
-    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
-    torch_threads: int = 0                # 0: all cores
+    model_dir: str = setting("", "--model", "HF checkpoint directory (default: checkpoints/demo/target if "
+                             "trained, else an untrained demo checkpoint in .cache/demo-untrained)")
+    dtype: str = setting(ENGINE_DEFAULTS["dtype"], "--dtype", choices=DTYPES)
+    page_size: int = setting(ENGINE_DEFAULTS["page_size"], "--page-size",
+                             "tokens per KV page (default: %(default)s)")
+    num_pages: int = setting(0, "--num-pages", "KV pages in the pool (default: %(default)s = automatic)")
+    kv_layout: str = setting(ENGINE_DEFAULTS["kv_layout"], "--kv-layout", choices=KV_LAYOUTS)
+    max_num_seqs: int = setting(ENGINE_DEFAULTS["max_num_seqs"], "--max-num-seqs",
+                                "sequences per batch (default: %(default)s)")
+    max_num_batched_tokens: int = setting(ENGINE_DEFAULTS["max_num_batched_tokens"], "--max-num-batched-tokens",
+                                          "tokens per step (default: %(default)s)")
+    torch_threads: int = setting(0, "--threads", "torch threads of each engine process (default: %(default)s "
+                                 "= all cores; disaggregated: half each for prefill and decode)")
     cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
-    spec_method: str = NO_SPECULATION     # none | draft_target | mtp
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    draft_model: str = ""
-    mtp_head: str = ""
-    prefill_endpoints: str = ""           # "host:port,...": prefill servers (prefill forwards)
+    spec_method: str = setting(NO_SPECULATION, "--spec", "speculative decoding method (default: %(default)s)",
+                               choices=(NO_SPECULATION, *METHODS))
+    num_speculative_tokens: int = setting(DEFAULT_NUM_SPECULATIVE_TOKENS, "--k",
+                                          "draft tokens per step with --spec (default: %(default)s)")
+    draft_model: str = setting("", "--draft-model", "draft checkpoint (default: checkpoints/demo/draft)")
+    mtp_head: str = setting("", "--mtp-head", "MTP head checkpoint (default: checkpoints/demo/mtp)")
+    # decode speed (engine/config.py)
+    draft_vocab_size: int = setting(
+        0, "--draft-vocab-size", "with --spec draft_target or mtp: the proposer scores only its N most "
+        "frequent tokens (token_frequencies.json in its checkpoint; lossless, only acceptance changes) "
+        "(default: %(default)s = all)", metavar="N")
+    compile: bool = setting(False, "--compile", "CPU: decode batches of 1 and 2 through torch.compile (~5-10 s "
+                            "of compiling per batch size and context bucket on first use; bf16 greedy text can "
+                            "differ from the eager engine's at near-ties)")
+    enforce_eager: bool = setting(False, "--enforce-eager", "GPU: run decode steps eagerly instead of replaying "
+                                  "CUDA graphs")
+    prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
+                                     "(`tandem serve --mode prefill`) that this decode server sends its prefills "
+                                     "to (default: its own)")
+    # conditional disaggregation (backends/disagg/routing.py): where kv_transfer sends each prompt
+    disagg_policy: str = setting(
+        "conditional", "--disagg-policy", "where a disaggregated server prefills each prompt: conditional "
+        "(default: short prompts, or all while the prefill side is busy, in decode's own batch; long ones on "
+        "the prefill side), remote (always the prefill side), local (always decode); thresholds as "
+        "conditional:local_prompt_tokens=256,max_prefill_wait_ms=1000,prefill_tokens_per_s=5000,"
+        "max_local_prefill_tokens=2048", metavar="POLICY")
+    decode_idle_threads: int = 0          # decode's torch threads while prefill idles; 0: torch_threads
+    decode_borrow_min_seqs: int = 12      # ... and while its batch holds at least this many sequences
     # the KV transfer (kv_transfer, prefill, decode)
-    kv_interface: str = ""                # UCX network devices; "": $TANDEM_KV_INTERFACE or lo
-    kv_transports: str = ""               # UCX transports (UCX_TLS); "": $TANDEM_KV_TRANSPORTS or all
+    kv_interface: str = setting(
+        "", "--kv-interface", "network devices the KV cache travels on between prefill and decode servers "
+        "(UCX_NET_DEVICES of the KV transfer): an interface (eth0), an RDMA port (mlx5_0:1; needs a UCX built "
+        "with verbs: the wheel's has none, so set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to load the "
+        "system's), comma separated, or all (default: lo, i.e. one host only)", metavar="IFACE[,IFACE...]")
+    kv_transports: str = setting(
+        "", "--kv-transports", "UCX transports the KV transfer may use (UCX_TLS), e.g. tcp: TCP only, no "
+        "shared memory or CMA even where UCX sees one host (network namespaces, containers); rc,ud,sm with "
+        "RDMA (default: UCX's choice)", metavar="TLS")
     kv_headroom_pages: int | None = None  # pages reservations leave to running sequences; None: auto
     kv_transfer_timeout_s: int = 10       # a reservation fed nothing this long fails
     kv_drain_s: int = 30                  # an unloading kv_transfer waits this long for its transfers
-    faults: str = ""                      # fault injection (rdma/faults.py); "": $TANDEM_FAULTS
-    # conditional disaggregation (backends/disagg/routing.py): where kv_transfer sends each
-    # prompt; "conditional[:threshold=value,...]" | "remote" | "local"
-    disagg_policy: str = "conditional"
-    decode_idle_threads: int = 0          # decode's torch threads while prefill idles; 0: torch_threads
-    decode_borrow_min_seqs: int = 12      # ... and while its batch holds at least this many sequences
-    # decode speed (engine/config.py): 1 = on
-    compile: int = 0                      # CPU: decode batches of 1 and 2 through torch.compile
-    enforce_eager: int = 0                # GPU: no CUDA graphs
-    draft_vocab_size: int = 0             # the proposer scores its N most frequent tokens; 0: all
+    faults: str = setting("", "--faults", "fault injection for tests and benchmarks, passed to the models "
+                          "(config parameter `faults`, env TANDEM_FAULTS), e.g. 'transfer_fail=0.05@mid_layers,"
+                          "seed=1'; format: rdma/faults.py (default: off)", metavar="SPEC")
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":
@@ -68,21 +153,14 @@ class EngineSettings:
         values: dict = {}
         for f in fields(cls):
             raw = params.get(f.name, "").strip()
-            if not raw or raw.startswith("${"):  # unset, or an unrendered template placeholder
-                continue
-            if f.name in STRING_FIELDS:
-                values[f.name] = raw
-                continue
-            try:
-                values[f.name] = int(raw)
-            except ValueError:
-                raise ValueError(f"config.pbtxt: parameter {f.name}={raw!r} is not an integer") from None
+            if raw and not raw.startswith("${"):  # unset, or an unrendered template placeholder
+                values[f.name] = parse_value(f, raw)
         s = cls(**values)
         s.check()
         return s
 
     def check(self) -> None:
-        if self.num_pages is not None and self.num_pages < 0:
+        if self.num_pages < 0:
             raise ValueError(f"config.pbtxt: num_pages={self.num_pages}; allowed: >= 1, or 0 for automatic")
         try:
             self.engine_config().validate()
@@ -158,8 +236,8 @@ class EngineSettings:
         return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,
                     num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    speculative=self.speculative(), compile=bool(self.compile),
-                    enforce_eager=bool(self.enforce_eager))
+                    speculative=self.speculative(), compile=self.compile,
+                    enforce_eager=self.enforce_eager)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

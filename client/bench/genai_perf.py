@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.client.serve.triton_server import free_port
 
     genai_perf_binary()
-    options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, spec_method=args.spec)
+    options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, spec_method=args.spec)
     rows, commands = [], []
     print("starting tritonserver and the OpenAI API", flush=True)
     with work_dir("tandem-bench-genai-perf-", keep=args.keep_work) as work, ExitStack() as stack:

@@ -109,7 +109,7 @@ def start_servers(stack: ExitStack, modes: list[str], args, work: Path) -> dict:
     servers = {}
     for mode in modes:
         serve_mode, policy, _ = MODES[mode]
-        options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, mode=serve_mode,
+        options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, mode=serve_mode,
                                torch_threads=args.threads, spec_method=args.spec,
                                disagg_policy=policy)
         print(f"{mode}: starting tritonserver", flush=True)

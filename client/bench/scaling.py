@@ -49,9 +49,9 @@ def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> di
     common = dict(model_dir=str(model_dir), dtype=args.dtype, torch_threads=1, max_num_seqs=32,
                   max_num_batched_tokens=512)
     with ExitStack() as stack:   # stops the servers (last started first), also on Ctrl-C
-        prefill = start_server(stack, ServeOptions(mode="prefill", **common), work / f"p{n}",
+        prefill = start_server(stack, ServeOptions.of(mode="prefill", **common), work / f"p{n}",
                                log_file=work / f"p{n}.log", cpus=tuple(args.prefill_cpus))
-        decoders = [start_server(stack, ServeOptions(prefill_endpoints=prefill.grpc_url, disagg_policy="remote",
+        decoders = [start_server(stack, ServeOptions.of(prefill_endpoints=prefill.grpc_url, disagg_policy="remote",
                                                      **common), work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
                                  cpus=tuple(args.decode_cpus)) for i in range(n)]
         clients = [StreamingClient(s.grpc_url, "tandem") for s in decoders]

@@ -114,7 +114,7 @@ def options_for(mode: str, args, model_dir: Path):
         threads = cores
     else:   # 0: tandem serve's own split (half each; conditional's decode borrows when idle)
         threads = 0 if cores == os.cpu_count() else max(1, cores // 2)
-    return ServeOptions(model_dir=str(model_dir), dtype=args.dtype, mode=serve_mode,
+    return ServeOptions.of(model_dir=str(model_dir), dtype=args.dtype, mode=serve_mode,
                         torch_threads=threads, disagg_policy=policy, max_num_seqs=32,
                         max_num_batched_tokens=512)
 
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 server = start_server(stack, options, work / mode, attempts=2, log_file=work / f"{mode}.log")
                 clients[mode] = StreamingClient(server.grpc_url, MODES[mode][0])
                 stack.callback(clients[mode].close)
-                threads[mode] = options.torch_threads
+                threads[mode] = options.engine.torch_threads
             for mode in modes:   # warm-up: one long prompt and the background streams, not measured
                 run_rate(clients[mode], 0.0, 5.0, background, 16, longs, 4, args.seed)
             timeline: dict[str, dict] = {m: {} for m in modes}

@@ -246,7 +246,7 @@ def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stac
 
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
-    options = ServeOptions(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
+    options = ServeOptions.of(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
                            disagg_policy="remote")   # the transfer path under faults
     server = start_server(stack, options, run_dir, log_file=run_dir / "tritonserver.log",
                           model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60)

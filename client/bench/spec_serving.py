@@ -63,7 +63,7 @@ def _scrape(url: str, name: str, model: str = "decode") -> float | None:
 
 def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
     from tandem.client.serve.options import ServeOptions
-    options = ServeOptions(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
+    options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
                            spec_method=method, num_speculative_tokens=k)
     row = {"method": method, "k": k if method != "none" else 0}
     name = f"{method}-{k}-{rep}"

@@ -104,5 +104,5 @@ def start_for(server, port: int, log_level: str = "warning") -> OpenAIFrontend |
     models = text_models(server.options)
     if port == 0 or not models:
         return None
-    return OpenAIFrontend(server.grpc_url, models, server.options.model_dir, host=server.host, port=port,
+    return OpenAIFrontend(server.grpc_url, models, server.options.engine.model_dir, host=server.host, port=port,
                           log_level=log_level).start()

@@ -1,27 +1,23 @@
 """What ``tandem serve`` serves: the modes (which models), the ensembles clients call,
-and :class:`ServeOptions`, the settings rendered into each model's ``config.pbtxt``.
+and :class:`ServeOptions`, the settings rendered into each model's ``config.pbtxt``: the
+engine's (:class:`~tandem.backends.triton.settings.EngineSettings`, declared there once)
+and what only the server decides (which models, under which names).
 
-The engine's settings default to :data:`~tandem.backends.engine.config.ENGINE_DEFAULTS`
-(one place for them); what is only the server's (mode, threads, remote prefill) is
-defaulted here.
-
->>> ServeOptions(mode="colocated").ensembles
+>>> ServeOptions.of(mode="colocated").ensembles
 ('tandem_colocated',)
->>> ServeOptions(mode="both", ensemble_name="ensemble").aliases
+>>> ServeOptions.of(mode="both", ensemble_name="ensemble").aliases
 {'ensemble': 'tandem'}
->>> ServeOptions().page_size == ENGINE_DEFAULTS["page_size"]
-True
+>>> ServeOptions.of(page_size=32).engine.page_size
+32
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from tandem.backends.engine.config import ENGINE_DEFAULTS
-from tandem.backends.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, NO_SPECULATION
-
+from tandem.backends.triton.settings import EngineSettings, setting
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 # the ensembles clients call, with what each is for (the other models are their steps)
@@ -54,48 +50,39 @@ class ServerError(RuntimeError):
 
 @dataclass(slots=True)
 class ServeOptions:
-    """What ``tandem serve`` puts into the model configs (see backends/triton/settings.py)."""
+    """What ``tandem serve`` puts into the model configs: the engine's settings and the
+    models it serves (``engine.model_dir`` "" until the server picks the demo checkpoint)."""
 
-    model_dir: str | None = None          # None: the demo checkpoint
-    dtype: str = ENGINE_DEFAULTS["dtype"]
-    page_size: int = ENGINE_DEFAULTS["page_size"]
-    num_pages: int = 0                    # 0: the engine sizes the pool
-    kv_layout: str = ENGINE_DEFAULTS["kv_layout"]
-    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
-    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
-    torch_threads: int = 0                # 0: all cores (disaggregated: half each for prefill, decode)
-    spec_method: str = NO_SPECULATION     # none | draft_target | mtp
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    draft_model: str = ""                 # "": checkpoints/demo/draft with draft_target
-    mtp_head: str = ""                    # "": checkpoints/demo/mtp with mtp
-    mode: str = "disaggregated"           # disaggregated | colocated | both | prefill (MODES)
-    prefill_endpoints: str = ""           # "host:port,...": remote prefill servers' gRPC
-    faults: str = ""                      # fault injection (tests, benchmarks; format: tandem.rdma.faults); "" = off
-    ensemble_name: str = ""               # also serve the mode's text ensemble under this name ("" = no)
-    # where each prompt is prefilled in a disaggregated server (tandem.backends.disagg.routing):
-    # conditional[:threshold=value,...] (per request) | remote (always the prefill side) | local
-    disagg_policy: str = "conditional"
-    # the KV transfer's UCX network devices ("": lo; "all": UCX's choice) and transports
-    # (UCX_TLS; "": UCX's choice), see kv_interface_problem
-    kv_interface: str = ""
-    kv_transports: str = ""
-    # decode speed (tandem.backends.engine.config): CPU compiled decode, no CUDA graphs,
-    # the proposer's frequent-token vocabulary (0: all tokens)
-    compile: bool = False
-    enforce_eager: bool = False
-    draft_vocab_size: int = 0
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    mode: str = setting("disaggregated", "--mode", choices=tuple(MODES), help=(
+        "disaggregated (default): the ensembles tandem and tandem_tokens (preprocess, kv_transfer, prefill, "
+        "decode and postprocess in their own processes); colocated: the ensemble tandem_colocated "
+        "(preprocess, llm, postprocess); both: all of them; prefill: a prefill server for decode servers "
+        "started with --prefill-endpoints"))
+    ensemble_name: str = setting("", "--ensemble-name", metavar="NAME", help=(
+        "also serve the text ensemble (tandem; tandem_colocated with --mode colocated; tandem with --mode "
+        "both) under NAME, e.g. ensemble: the name scripts written for the TensorRT-LLM backend call "
+        "(default: none)"))
+
+    @classmethod
+    def of(cls, **values) -> "ServeOptions":
+        """Options from flat values: ``mode`` and ``ensemble_name`` are this class's, the
+        rest :class:`EngineSettings` fields (``ServeOptions.of(mode="both", torch_threads=1)``)."""
+        own = {f.name for f in fields(cls)} - {"engine"}
+        mine = {k: values.pop(k) for k in list(values) if k in own}
+        return cls(EngineSettings(**values), **mine)
 
     @property
     def models(self) -> tuple[str, ...]:
         if self.mode not in MODES:
             raise ServerError(f"mode={self.mode!r}; allowed: {', '.join(MODES)}")
-        if self.prefill_endpoints:
+        if self.engine.prefill_endpoints:
             from tandem.backends.triton.prefill_router import parse_endpoints
             if "prefill" not in MODES[self.mode] or self.mode == "prefill":
                 raise ServerError(f"--prefill-endpoints is for a decode server (--mode "
                                   f"disaggregated or both), not --mode {self.mode}")
             try:
-                parse_endpoints(self.prefill_endpoints)
+                parse_endpoints(self.engine.prefill_endpoints)
             except ValueError as e:
                 raise ServerError(str(e).replace("prefill_endpoints", "--prefill-endpoints")) from None
         return MODES[self.mode] + tuple(self.aliases)
@@ -123,21 +110,23 @@ class ServeOptions:
         return tuple(m for m in self.models if m in ENSEMBLES or m in self.aliases)
 
     def template_values(self) -> dict[str, str]:
+        engine = self.engine
         self._check_disagg_policy()
-        problem = kv_interface_problem(self.kv_interface, self.kv_transports)
+        problem = kv_interface_problem(engine.kv_interface, engine.kv_transports)
         if problem:
             raise ServerError(problem)
-        if any(c in self.faults for c in '"\\\n'):
-            raise ServerError(f"--faults {self.faults!r}: quotes, backslashes and line breaks are not allowed")
-        values = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
-        values["decode_idle_threads"] = "0"
-        if self.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
+        if any(c in engine.faults for c in '"\\\n'):
+            raise ServerError(f"--faults {engine.faults!r}: quotes, backslashes and line breaks are not allowed")
+        values = {k: "" if v is None else str(int(v) if isinstance(v, bool) else v)
+                  for k, v in asdict(engine).items()}
+        values |= {"mode": self.mode, "ensemble_name": self.ensemble_name, "decode_idle_threads": "0"}
+        if engine.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
             # prefill and decode run side by side: a half of the cores each, not all twice
             values["torch_threads"] = str(max(1, (os.cpu_count() or 2) // 2))
-            if not self.prefill_endpoints and not self.disagg_policy.startswith("remote"):
+            if not engine.prefill_endpoints and not engine.disagg_policy.startswith("remote"):
                 # decode prefills too: it takes the prefill process's cores while they idle
                 values["decode_idle_threads"] = str(os.cpu_count() or 2)
-        values["model_dir"] = str(Path(self.model_dir).resolve())
+        values["model_dir"] = str(Path(engine.model_dir).resolve())
         for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
             path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
             values[key] = str(Path(path).resolve()) if path else ""
@@ -146,12 +135,12 @@ class ServeOptions:
     def _check_disagg_policy(self) -> None:
         from tandem.backends.disagg.routing import RoutingPolicy
         try:
-            RoutingPolicy.parse(self.disagg_policy)
+            RoutingPolicy.parse(self.engine.disagg_policy)
         except ValueError as e:
             raise ServerError(str(e).replace("disagg_policy", "--disagg-policy", 1)) from None
 
     def _uses(self, key: str) -> bool:
-        return (self.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
+        return (self.engine.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
 
 
 _UCX_NAMES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")

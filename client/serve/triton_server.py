@@ -6,7 +6,7 @@ tritonserver on it, waits until the server and its models are ready, supervises 
 (:mod:`.supervisor`: a dead stub's model is reloaded, a dead server restarted), and
 stops it so that no process and no shared-memory segment is left behind:
 
->>> with TritonServer(ServeOptions(model_dir="ckpt"), run_dir=tmp) as server:  # doctest: +SKIP
+>>> with TritonServer(ServeOptions.of(model_dir="ckpt"), run_dir=tmp) as server:  # doctest: +SKIP
 ...     print(server.grpc_url)
 ...     pid = server.kill_stub("prefill")              # what the supervisor must survive
 ...     server.wait_model_ready("tandem", timeout_s=60)
@@ -31,12 +31,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tandem.rdma.pool_layout import pid_exists
 
 from tandem.client.serve.process_group import die_with_parent, kill_group, killpg
+from tandem.backends.triton.settings import setting
 from tandem.client.serve.repository import render_repository
 from tandem.client.serve.options import ServeOptions, ServerError
 from tandem.client.serve.stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
@@ -87,22 +88,33 @@ class TritonServer:
     """
 
     options: ServeOptions = field(default_factory=ServeOptions)
-    run_dir: Path | None = None
-    host: str = "127.0.0.1"
-    http_port: int = 0
-    grpc_port: int = 0
-    metrics_port: int = 0
-    log_file: Path | None = None
-    log_verbose: int = 0
-    ready_timeout_s: float = 300.0
+    run_dir: Path | None = setting(None, "--run-dir", "where the rendered repository and backend go "
+                                   "(default: a temp dir)")
+    host: str = setting("127.0.0.1", "--host", "address to bind (default: %(default)s)")
+    # 0: a free port (tests, benchmarks); tandem serve listens on Triton's usual ones
+    http_port: int = setting(0, "--http-port", flag_default=8000)
+    grpc_port: int = setting(0, "--grpc-port", flag_default=8001)
+    metrics_port: int = setting(0, "--metrics-port", flag_default=8002)
+    log_file: Path | None = setting(None, "--log-file", "write tritonserver's log here instead of the terminal")
+    log_verbose: int = setting(0, "--log-verbose")
+    ready_timeout_s: float = setting(300.0, "--ready-timeout", "seconds to wait for readiness (default: 300)")
     cpus: tuple[int, ...] | None = None   # pin the server and its models (benchmarks)
     # "explicit": every model is loaded at start and the repository API (load / unload,
     # e.g. to roll a new version, or the supervisor's reloads) is open; "none": the
     # repository is fixed (the supervisor can then only restart the server)
-    model_control_mode: str = "explicit"
-    supervise: bool = True                # watch the stubs and the server; recover (supervisor.py)
+    model_control_mode: str = setting(
+        "explicit", "--model-control-mode", choices=("none", "explicit"), help=(
+            "explicit (default): every model loaded at start, Triton's repository API open (load/unload "
+            "models, roll versions; the supervisor reloads a dead model through it); none: a fixed "
+            "repository (the supervisor can only restart the server)"))
+    # watch the stubs and the server; recover (supervisor.py)
+    supervise: bool = setting(True, "--no-supervise", "do not watch the model processes: a dead stub stays "
+                              "dead (debugging)")
     exit_timeout_s: int = 10
-    tritonserver: str = ""                # the binary; "": the nvidia-pytriton wheel's (triton_env)
+    # the binary; "": the nvidia-pytriton wheel's (triton_env)
+    tritonserver: str = setting("", "--tritonserver", metavar="PATH", help=(
+        "the tritonserver (2.51) binary to run, e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's Triton "
+        "container (default: the one in the nvidia-pytriton wheel)"))
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -141,12 +153,13 @@ class TritonServer:
         self.stop()
 
     def start(self) -> "TritonServer":
-        if self.options.model_dir is None:
+        if not self.options.engine.model_dir:
             from tandem.client.demo_checkpoint import default_model_dir
 
-            self.options.model_dir = str(default_model_dir())
-        if not (Path(self.options.model_dir) / "config.json").is_file():
-            raise ServerError(f"--model: {self.options.model_dir} has no config.json (a Hugging Face checkpoint dir)")
+            self.options.engine = replace(self.options.engine, model_dir=str(default_model_dir()))
+        model_dir = self.options.engine.model_dir
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ServerError(f"--model: {model_dir} has no config.json (a Hugging Face checkpoint dir)")
         if self.model_control_mode not in ("none", "explicit"):
             raise ServerError(f"model_control_mode={self.model_control_mode!r}; allowed: none, explicit")
         if self.run_dir is None:
@@ -214,8 +227,8 @@ class TritonServer:
         # fault injection (tests, benchmarks): the models read it here or from their
         # config's "faults" parameter; never inherited from the caller's shell
         env.pop(FAULTS_ENV, None)
-        if self.options.faults:
-            env[FAULTS_ENV] = self.options.faults
+        if self.options.engine.faults:
+            env[FAULTS_ENV] = self.options.engine.faults
         self.process = subprocess.Popen(
             cmd, env=env, cwd=self.run_dir, stdin=subprocess.DEVNULL,
             stdout=out, stderr=err, preexec_fn=functools.partial(die_with_parent, self.cpus),

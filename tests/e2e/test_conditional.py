@@ -29,7 +29,7 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 
 
 def _start(run_dir, checkpoint, **options):
-    srv = TritonServer(ServeOptions(model_dir=str(checkpoint), torch_threads=1, mode="both",
+    srv = TritonServer(ServeOptions.of(model_dir=str(checkpoint), torch_threads=1, mode="both",
                                     disagg_policy=POLICY, **SETTINGS, **options),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
                        exit_timeout_s=30)

@@ -30,7 +30,7 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-disagg")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
                                     disagg_policy="remote", **SETTINGS),
                        # six stubs unload slowly on a busy machine
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,

@@ -48,7 +48,7 @@ def long_pages(tokenizer) -> int:
 def server(tmp_path_factory, demo_checkpoint, long_pages):
     run_dir = tmp_path_factory.mktemp("serve-kv-control")
     # about 2.5 long requests fit; each holds its reservation until decode claims it
-    options = ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
+    options = ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
                            page_size=PAGE_SIZE, max_num_batched_tokens=16,
                            num_pages=int(2.5 * long_pages), disagg_policy="remote")
     srv = TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",

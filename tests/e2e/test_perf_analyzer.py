@@ -35,7 +35,7 @@ def analyzer():
 @pytest.fixture(scope="module")
 def server(analyzer, tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("perf")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
                                     mode="disaggregated"),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180)
     try:

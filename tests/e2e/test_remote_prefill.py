@@ -32,9 +32,9 @@ def servers(tmp_path_factory, demo_checkpoint):
     ckpt = str(demo_checkpoint)
     try:
         prefill = _start(stack, tmp_path_factory.mktemp("prefill-server"),
-                         ServeOptions(model_dir=ckpt, mode="prefill", **SETTINGS))
+                         ServeOptions.of(model_dir=ckpt, mode="prefill", **SETTINGS))
         decoders = [_start(stack, tmp_path_factory.mktemp(f"decode-server-{i}"),
-                           ServeOptions(model_dir=ckpt, prefill_endpoints=prefill.grpc_url,
+                           ServeOptions.of(model_dir=ckpt, prefill_endpoints=prefill.grpc_url,
                                         disagg_policy="remote", **SETTINGS))
                     for i in range(2)]
         yield prefill, decoders
@@ -109,7 +109,7 @@ def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path,
     dead = f"127.0.0.1:{free_port()}"
     stack = []
     try:
-        srv = _start(stack, tmp_path, ServeOptions(model_dir=str(demo_checkpoint),
+        srv = _start(stack, tmp_path, ServeOptions.of(model_dir=str(demo_checkpoint),
                                                    prefill_endpoints=dead, disagg_policy="remote",
                                                    **SETTINGS))
         with pytest.raises(GenerateError, match=f"no prefill server took the job: {dead}"):
@@ -136,7 +136,7 @@ def test_while_no_prefill_server_takes_jobs_conditional_routing_prefills_here(tm
     dead = f"127.0.0.1:{free_port()}"
     stack = []
     try:
-        srv = _start(stack, tmp_path, ServeOptions(model_dir=str(demo_checkpoint), prefill_endpoints=dead,
+        srv = _start(stack, tmp_path, ServeOptions.of(model_dir=str(demo_checkpoint), prefill_endpoints=dead,
                                                    disagg_policy="conditional:local_prompt_tokens=4",
                                                    **SETTINGS))
         with pytest.raises(GenerateError, match="unavailable: no prefill server took the job.*retry"):
@@ -159,9 +159,9 @@ def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_chec
     stack = []
     ckpt = str(demo_checkpoint)
     try:
-        prefill = _start(stack, tmp_path / "prefill", ServeOptions(model_dir=ckpt, mode="prefill",
+        prefill = _start(stack, tmp_path / "prefill", ServeOptions.of(model_dir=ckpt, mode="prefill",
                                                                    faults="prefill_delay_ms=4000", **SETTINGS))
-        decode = _start(stack, tmp_path / "decode", ServeOptions(
+        decode = _start(stack, tmp_path / "decode", ServeOptions.of(
             model_dir=ckpt, prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **SETTINGS))
         assert _text(decode, PROMPTS[1]) == reference[PROMPTS[1]]       # warm
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

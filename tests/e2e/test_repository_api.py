@@ -22,7 +22,7 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_thr
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-explicit")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), **SETTINGS), run_dir=run_dir,
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), **SETTINGS), run_dir=run_dir,
                        log_file=run_dir / "tritonserver.log", ready_timeout_s=300, exit_timeout_s=30,
                        model_control_mode="explicit")
     try:

@@ -35,7 +35,7 @@ MAX_NUM_SEQS = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=MAX_NUM_SEQS,
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=MAX_NUM_SEQS,
                                     mode="colocated"),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180,
                        exit_timeout_s=30)

@@ -37,7 +37,7 @@ def server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
     extra = {"mtp": {"mtp_head": str(random_mtp_head)}, "draft_target": {"draft_model": str(demo_checkpoint)},
              "ngram": {}}[method]
     run_dir = tmp_path_factory.mktemp(f"serve-spec-{method}")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
                                     num_speculative_tokens=3, disagg_policy="remote", **extra,
                                     **SETTINGS),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,

@@ -43,7 +43,7 @@ def _lease_s() -> float:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-supervised")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
                                     disagg_policy="remote", **SETTINGS),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
                        exit_timeout_s=15, model_control_mode="explicit")

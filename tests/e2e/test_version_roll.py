@@ -72,7 +72,7 @@ _corrupted: list[str] = []   # once the server's heap is known bad, later rolls 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
     run_dir = tmp_path_factory.mktemp("serve-roll")
-    srv = TritonServer(ServeOptions(model_dir=str(demo_checkpoint), torch_threads=1,
+    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1,
                                     mode="disaggregated", disagg_policy="remote", **SETTINGS),
                        run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
                        exit_timeout_s=20, model_control_mode="explicit")

@@ -382,16 +382,16 @@ def test_serve_starts_the_api_on_port_9000_unless_told_otherwise():
     from tandem.client.serve.options import ServeOptions
     assert cli.build_parser().parse_args(["serve"]).openai_port == 9000
     assert cli.build_parser().parse_args(["serve", "--openai-port", "0"]).openai_port == 0
-    assert text_models(ServeOptions()) == ["tandem"]                        # not tandem_tokens
-    assert text_models(ServeOptions(mode="both")) == ["tandem", "tandem_colocated"]
-    assert text_models(ServeOptions(mode="prefill")) == []
+    assert text_models(ServeOptions.of()) == ["tandem"]                        # not tandem_tokens
+    assert text_models(ServeOptions.of(mode="both")) == ["tandem", "tandem_colocated"]
+    assert text_models(ServeOptions.of(mode="prefill")) == []
     if "ensemble_name" in ServeOptions.__slots__:                           # --ensemble-name: one more id
-        assert text_models(ServeOptions(ensemble_name="ensemble")) == ["tandem", "ensemble"]
+        assert text_models(ServeOptions.of(ensemble_name="ensemble")) == ["tandem", "ensemble"]
 
     class Server:
-        options, host, grpc_url = ServeOptions(mode="prefill"), "127.0.0.1", "127.0.0.1:1"
+        options, host, grpc_url = ServeOptions.of(mode="prefill"), "127.0.0.1", "127.0.0.1:1"
     assert start_for(Server(), 9000) is None                                 # nothing to front
-    Server.options = ServeOptions()
+    Server.options = ServeOptions.of()
     assert start_for(Server(), 0) is None                                    # turned off
 
 

@@ -113,14 +113,14 @@ def test_engine_settings_carry_the_policy():
 def test_serve_options_default_to_conditional_and_borrow_the_idle_prefill_core(tmp_path):
     from tandem.client.serve.options import ServeOptions, ServerError
     cores = str(os.cpu_count() or 2)
-    values = ServeOptions(model_dir=str(tmp_path)).template_values()
+    values = ServeOptions.of(model_dir=str(tmp_path)).template_values()
     assert values["disagg_policy"] == "conditional" and values["decode_idle_threads"] == cores
-    remote = ServeOptions(model_dir=str(tmp_path), disagg_policy="remote").template_values()
+    remote = ServeOptions.of(model_dir=str(tmp_path), disagg_policy="remote").template_values()
     assert remote["decode_idle_threads"] == "0"      # today's always-remote server, unchanged
-    fixed = ServeOptions(model_dir=str(tmp_path), torch_threads=1).template_values()
+    fixed = ServeOptions.of(model_dir=str(tmp_path), torch_threads=1).template_values()
     assert fixed["decode_idle_threads"] == "0"       # threads given: no borrowing
     with pytest.raises(ServerError, match="--disagg-policy"):
-        ServeOptions(model_dir=str(tmp_path), disagg_policy="sometimes").template_values()
+        ServeOptions.of(model_dir=str(tmp_path), disagg_policy="sometimes").template_values()
 
 
 def test_load_board_round_trip_and_a_dead_writer():

@@ -54,7 +54,7 @@ def test_server_env_puts_venv_and_bundled_libs_first():
 
 
 def test_rendered_repository_has_no_placeholders_left(tmp_path):
-    values = ServeOptions(model_dir=str(tmp_path), page_size=32, kv_layout="NHD").template_values()
+    values = ServeOptions.of(model_dir=str(tmp_path), page_size=32, kv_layout="NHD").template_values()
     repo = render_repository(tmp_path / "repo", values)
     config = (repo / "llm" / "config.pbtxt").read_text()
     assert "${" not in config
@@ -67,7 +67,7 @@ def test_rendered_repository_has_no_placeholders_left(tmp_path):
                                             ("colocated", ("tandem_colocated",)),
                                             ("both", ("tandem", "tandem_tokens", "tandem_colocated"))])
 def test_mode_selects_the_models(tmp_path, mode, ensembles):
-    options = ServeOptions(model_dir=str(tmp_path), mode=mode)
+    options = ServeOptions.of(model_dir=str(tmp_path), mode=mode)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
     assert sorted(p.name for p in repo.iterdir()) == sorted(options.models)
     assert options.ensembles == ensembles
@@ -81,7 +81,7 @@ def test_mode_selects_the_models(tmp_path, mode, ensembles):
 @pytest.mark.parametrize("mode,target", [("disaggregated", "tandem"), ("colocated", "tandem_colocated"),
                                          ("both", "tandem")])
 def test_ensemble_name_serves_the_text_ensemble_under_a_second_name(tmp_path, mode, target):
-    options = ServeOptions(model_dir=str(tmp_path), mode=mode, ensemble_name="ensemble")
+    options = ServeOptions.of(model_dir=str(tmp_path), mode=mode, ensemble_name="ensemble")
     assert options.aliases == {"ensemble": target} and "ensemble" in options.ensembles
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models,
                              aliases=options.aliases)
@@ -103,18 +103,18 @@ def test_ensemble_name_serves_the_text_ensemble_under_a_second_name(tmp_path, mo
 ])
 def test_a_bad_ensemble_name_is_refused(mode, name, problem):
     with pytest.raises(ServerError, match=re.escape(problem)):
-        ServeOptions(model_dir=".", mode=mode, ensemble_name=name).models
+        ServeOptions.of(model_dir=".", mode=mode, ensemble_name=name).models
 
 
 def test_disaggregated_is_the_default_mode():
-    assert ServeOptions(model_dir=".").mode == "disaggregated"
+    assert ServeOptions.of(model_dir=".").mode == "disaggregated"
     assert cli.build_parser().parse_args(["serve"]).mode == "disaggregated"
     assert set(MODES["both"]) == set(MODES["colocated"]) | set(MODES["disaggregated"])
 
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ServerError, match="mode='split'; allowed: disaggregated, colocated, both"):
-        ServeOptions(model_dir=".", mode="split").models
+        ServeOptions.of(model_dir=".", mode="split").models
 
 
 def _parse(path: Path):
@@ -213,7 +213,7 @@ def test_ensemble_steps_match_their_models(name):
 def test_every_placeholder_has_a_serve_option():
     placeholders = {m for p in MODEL_REPOSITORY.glob("*/config.pbtxt")
                     for m in re.findall(r"\$\{(\w+)\}", p.read_text())}
-    assert placeholders and placeholders <= set(ServeOptions(model_dir=".").template_values())
+    assert placeholders and placeholders <= set(ServeOptions.of(model_dir=".").template_values())
 
 
 def test_unknown_placeholder_is_reported(tmp_path):
@@ -266,19 +266,19 @@ FAULT_MODELS = ("kv_transfer", "prefill", "decode", "llm")
 
 def test_faults_reach_the_engine_models_and_nothing_else(tmp_path):
     spec = "transfer_fail=0.05@mid_layers,seed=1"
-    options = ServeOptions(model_dir=str(tmp_path), mode="both", faults=spec)
+    options = ServeOptions.of(model_dir=str(tmp_path), mode="both", faults=spec)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
     for name in options.models:
         has = f'key: "faults" value: {{ string_value: "{spec}" }}' in (repo / name / "config.pbtxt").read_text()
         assert has == (name in FAULT_MODELS), name
-    off = render_repository(tmp_path / "off", ServeOptions(model_dir=str(tmp_path)).template_values())
+    off = render_repository(tmp_path / "off", ServeOptions.of(model_dir=str(tmp_path)).template_values())
     assert 'key: "faults" value: { string_value: "" }' in (off / "decode" / "config.pbtxt").read_text()
 
 
 @pytest.mark.parametrize("spec", ['a"b', "a\\b", "a\nb"])
 def test_a_faults_spec_that_would_break_the_config_is_refused(tmp_path, spec):
     with pytest.raises(ServerError, match="--faults .*quotes, backslashes and line breaks are not allowed"):
-        ServeOptions(model_dir=str(tmp_path), faults=spec).template_values()
+        ServeOptions.of(model_dir=str(tmp_path), faults=spec).template_values()
 
 
 def test_serve_cli_supervises_with_the_repository_api_by_default():
@@ -515,7 +515,7 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
     """--compile, --enforce-eager and --draft-vocab-size land in decode's and llm's
     EngineConfig (and nowhere they would be ignored silently)."""
     from tandem.backends.triton.settings import EngineSettings
-    options = ServeOptions(model_dir=str(demo_checkpoint), mode="both", spec_method="mtp",
+    options = ServeOptions.of(model_dir=str(demo_checkpoint), mode="both", spec_method="mtp",
                            mtp_head=str(demo_checkpoint), compile=True, enforce_eager=True,
                            draft_vocab_size=64)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
@@ -527,5 +527,5 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
         config = settings.engine_config()
         assert (config.compile, config.enforce_eager) == (True, True), name
         assert config.speculative.draft_vocab_size == 64, name
-    off = ServeOptions(model_dir=str(demo_checkpoint)).template_values()
+    off = ServeOptions.of(model_dir=str(demo_checkpoint)).template_values()
     assert (off["compile"], off["enforce_eager"], off["draft_vocab_size"]) == ("0", "0", "0")
