@@ -167,7 +167,8 @@ def _probe(server, ensemble: str, want: str, since: float, out: dict) -> None:
 @pytest.mark.parametrize("model", ["prefill", "decode", "kv_transfer", "llm"])
 def test_a_killed_stub_is_recovered(server, reference, readiness, model):
     ensemble = ENSEMBLE[model]
-    assert server.wait_model_ready(ensemble, timeout_s=60) >= 0
+    server.wait_model_ready(ensemble, timeout_s=60)   # raises ServerError when not ready in time
+    assert server.http.model_ready(ensemble)
     assert _text(server, ensemble) == reference
     victim = next(s for s in server.stubs() if s.model == model)
     regions_before = set(server.owned_segments())
