@@ -156,7 +156,8 @@ class DecodeStepHook:
 
     def __init__(self, engine, pool, board: DecodeLoadBoard | None, threads: int,
                  idle_threads: int, borrow_min_seqs: int = 1):
-        """``engine``: the :class:`~tandem.backends.engine.llm_engine.LLMEngine`;
+        """``engine``: the :class:`~tandem.backends.engine.async_engine.AsyncEngine`
+        (its ``scheduler``'s queues are read);
         ``pool``: the shared decode pool (its RESERVED reservations are the prefill
         side's work); ``threads``: torch threads while the prefill side works;
         ``idle_threads``: while it has nothing to do and the batch holds at least

@@ -5,6 +5,7 @@ import logging
 import threading
 from typing import Callable
 
+from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .inbox import Inbox
 from .isolation import describe
@@ -12,6 +13,7 @@ from .llm_engine import LLMEngine, RequestOutput
 from .messages import Abort, AddRemote, AddRequest, EngineMessage, OutputCallback
 from .params import SamplingParams
 from .remote_prefill import KVTicket, PendingPrefills
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 FatalCallback = Callable[[BaseException], None]
@@ -50,6 +52,24 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    # -- narrow views for the server (metrics, step hooks), so it need not reach inside
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's waiting and running queues; read them on the engine thread only
+        (a :attr:`step_hook` does)."""
+        return self.engine.scheduler
+
+    @property
+    def spec_metrics(self) -> SpecDecodeMetrics | None:
+        """Acceptance counters since start; None when the engine does not speculate."""
+        return self.engine.spec_metrics if self.engine.proposer is not None else None
+
+    @property
+    def kv_pages(self) -> tuple[int, int]:
+        """(free, used) pages of the engine's KV allocator."""
+        allocator = self.engine.allocator
+        return allocator.num_free, allocator.num_used
 
     @property
     def transfer_failures(self) -> dict[str, int]:

@@ -50,12 +50,12 @@ class TritonPythonModel(_StreamingModel):
                                speculative=s.speculative())
         self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
         self.load_board.publish(0)
-        engine.step_hook = DecodeStepHook(engine.engine, self.pool, self.load_board,
+        engine.step_hook = DecodeStepHook(engine, self.pool, self.load_board,
                                           s.threads, s.idle_threads, s.decode_borrow_min_seqs)
         return engine
 
     def _poll_metrics(self) -> None:
-        self.metrics.poll_engine(self.engine.engine, pool=self.pool,
+        self.metrics.poll_engine(self.engine, pool=self.pool,
                                  failures=self.engine.transfer_failures)
 
     def _submit(self, request, parsed, index: int, on_output) -> str:

@@ -106,7 +106,7 @@ class TritonPythonModel:
 
     def _poll_metrics(self) -> None:
         """Engine counters and KV pages (the decode model adds the shared pool)."""
-        self.metrics.poll_engine(self.engine.engine)
+        self.metrics.poll_engine(self.engine)
 
     def _submit(self, request, parsed, index: int, on_output) -> str:
         """Hand sample ``index`` of a parsed request to the engine; returns its engine

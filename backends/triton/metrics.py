@@ -195,11 +195,11 @@ class EngineMetrics(_ModelMetrics):
 
     # -- polled (the poller thread) -----------------------------------------------------
     def poll_engine(self, engine, pool=None, failures: dict | None = None) -> None:
-        """Refresh from an ``LLMEngine`` (speculation counters, pages) and, on the
-        disaggregated path, the shared pool and the transfer failures by reason."""
+        """Refresh from an ``AsyncEngine`` (its speculation counters and pages) and, on
+        the disaggregated path, the shared pool and the transfer failures by reason."""
         r, d = self._r, self._deltas
         m = engine.spec_metrics
-        if engine.proposer is not None:
+        if m is not None:
             for name, total, what in (
                     ("tandem_spec_drafts_total", m.num_drafts, "verification rounds"),
                     ("tandem_spec_draft_tokens_total", m.num_draft_tokens, "draft tokens proposed"),
@@ -218,8 +218,8 @@ class EngineMetrics(_ModelMetrics):
                                  "reservations failed or reclaimed in the shared KV pool")
             reclaimed.increment(d.take("reclaimed", s.failed_reservations + s.reclaimed_owners))
         else:
-            a = engine.allocator
-            pages = {"free": a.num_free, "reserved": 0, "in_use": a.num_used}
+            free, used = engine.kv_pages
+            pages = {"free": free, "reserved": 0, "in_use": used}
         _set_pages(r, pages)
         for reason, total in (failures or {}).items():
             r.metric("tandem_kv_transfer_failures_total", "counter",

@@ -224,7 +224,7 @@ def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, 
         ids = [ref.tokenize(p) for p in PROMPTS]
         tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
         assert tokens == expected
-        m = engine.engine.spec_metrics
+        m = engine.spec_metrics
         # ngram speculates only in steps where every sequence has a match, which depends
         # on how the requests' arrivals overlap: its drafting is shown in tests/unit
         assert m.num_drafts > 0 or method == "ngram"

@@ -173,3 +173,47 @@ def test_an_engine_whose_loop_fails_ends_every_stream_unavailable_and_says_so(ta
     with pytest.raises(EngineStopped, match="retry later"):
         eng.submit([5, 6], SamplingParams(max_tokens=2), on_output)
     eng.shutdown()
+
+
+def test_a_message_the_engine_cannot_take_ends_only_its_request(target_dir):
+    """A request whose admission raises on the engine thread ends with an error of its
+    own; an abort of it afterwards is a no-op; the next request runs as if alone."""
+    eng = AsyncEngine(str(target_dir), page_size=4)
+    add = eng.engine.add
+
+    def add_or_refuse(seq):
+        if seq.prompt_ids == [9, 9, 9]:
+            raise RuntimeError("poisoned admission")
+        add(seq)
+    eng.engine.add = add_or_refuse
+    outs: dict[str, list] = {}
+    done = threading.Semaphore(0)
+
+    def on_output(out):
+        outs.setdefault(out.request_id, []).append(out)
+        if out.finished:
+            done.release()
+
+    eng.start()
+    try:
+        bad = eng.submit([9, 9, 9], GREEDY, on_output)
+        eng.abort(bad)
+        good = eng.submit([5, 6, 7], GREEDY, on_output)
+        assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        assert eng.alive
+    finally:
+        eng.shutdown()
+    (last,) = outs[bad]
+    assert last.finish_reason == "error" and "could not be queued" in last.error
+    assert "poisoned admission" in last.error
+    assert outs[good][-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outs[good]) == GREEDY.max_tokens
+
+
+def test_the_engine_shows_its_counters_without_being_reached_into(target_dir, draft_dir):
+    plain = AsyncEngine(str(target_dir), page_size=4, num_pages=24)
+    assert plain.spec_metrics is None and plain.kv_pages == (24, 0)
+    assert plain.scheduler.waiting is not None
+    spec = SpeculativeConfig("draft_target", num_speculative_tokens=2, draft_model=str(draft_dir))
+    speculating = AsyncEngine(str(target_dir), page_size=4, speculative=spec)
+    assert speculating.spec_metrics.num_drafts == 0

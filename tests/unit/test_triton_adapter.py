@@ -167,10 +167,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.started = self.stopped = False
         self.reject: str | None = None
-        # what the metrics poller reads of the LLMEngine
-        self.engine = types.SimpleNamespace(
-            proposer=None, spec_metrics=None,
-            allocator=types.SimpleNamespace(num_free=30, num_used=2))
+        # what the metrics poller reads: no speculation, (free, used) pages
+        self.spec_metrics, self.kv_pages = None, (30, 2)
         FakeEngine.instances.append(self)
 
     def start(self):
