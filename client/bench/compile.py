@@ -1,4 +1,4 @@
-"""Does ``torch.compile`` pay for the decode step on this CPU? (issue 14)
+"""Does ``torch.compile`` pay for the decode step on this CPU?
 
 Three ways to run one decode step of the target (batch 1 and 8, the KV of a 150-token
 context, bf16, one thread): the engine's eager step (``ModelRunner.forward`` and the

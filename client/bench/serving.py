@@ -193,7 +193,7 @@ def _median(results: dict, mode: str, rate: str, key: str):
 
 
 def compare(results: dict) -> dict:
-    """The earlier issue's ratios, on the medians: at the first rate where colocated ITL
+    """Disaggregation's headline ratios, on the medians: at the first rate where colocated ITL
     p99 exceeds 3x its idle value, disaggregated decode tok/s over colocated and
     disaggregated ITL p99 over its own idle value; the TTFT penalty at the lowest
     non-zero rate."""

@@ -4,7 +4,7 @@ A soak sends ``N`` requests at concurrency ``C`` through the ensemble. Each requ
 drawn from a seeded plan: a prompt from a fixed pool, greedy or sampled, a fraction
 with extreme sampling values, a fraction cancelled after a random number of
 responses. Every request ends in one :class:`Outcome`; :func:`summarize` counts them
-and checks what the issue asks of a server under faults: nothing hung, every failure
+and checks what a server under faults must hold to: nothing hung, every failure
 with a clear reason, every completed greedy text exact.
 
 >>> plan = make_plan(200, prompts=["a", "b"], cancel_frac=0.25, extreme_frac=0.1, seed=1)

@@ -1,4 +1,4 @@
-"""Version rolls under load (issue 12, "Version rolls under load").
+"""Version rolls under load.
 
 With ``--model-control-mode explicit``, a model can be rolled in two ways while
 streams are in flight: a new version next to the old one (``<model>/<v+1>/``, then

@@ -1,4 +1,4 @@
-"""A failure stays with the request that caused it (issue 12): a request that makes a
+"""A failure stays with the request that caused it: a request that makes a
 step raise ends alone with the cause named, the others produce exactly the tokens
 they would have produced without it; an engine whose thread fails says so."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MTP-head training (issue 3, items 5-6): the training forward is the engine's, a tiny
+"""MTP-head training: the training forward is the engine's, a tiny
 run learns, the saved head serves losslessly, acceptance is measured through the engine."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-request sampling controls (issue 13): repetition, presence and frequency
+"""Per-request sampling controls: repetition, presence and frequency
 penalties, min_tokens, bad_words, logit_bias and logprobs, each checked against a
 reference computed here from the model's fp32 logits (HF transformers, step by step,
 the control applied by hand), in plain decoding and with speculation (draft-target and

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine: lossless, measured, leak-free (issue 4)."""
+"""Speculative decoding in the engine: lossless, measured, leak-free."""
 from __future__ import annotations
 
 import dataclasses

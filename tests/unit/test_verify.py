@@ -1,4 +1,4 @@
-"""chain_speculative_sampling preserves the target distribution (issue 4's maths)."""
+"""chain_speculative_sampling preserves the target distribution."""
 import pytest
 import torch
 
