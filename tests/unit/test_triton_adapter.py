@@ -900,3 +900,95 @@ def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(mod
     assert not request.cancelled     # the engine step itself never saw a cancellation
     (response,) = post.execute([step])         # a late reply's token is no longer known
     assert response.error is None and engine.aborted == ["req-0"]
+
+
+# ---- the prefill model: its adapter picks the role -----------------------------------
+
+PREFILL_MODULES = ("prefill_model", "prefill_local", "prefill_remote")
+
+
+@pytest.fixture
+def prefill_adapter(pb_utils, monkeypatch):
+    """``model_repository/prefill/1/model.py`` loaded as the stub loads it, with the
+    router replaced by a fake that records the jobs it forwards."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    for name in PREFILL_MODULES:   # imported afresh, on the stand-in
+        monkeypatch.delitem(sys.modules, f"tandem.backends.triton.{name}", raising=False)
+    prefill_remote = importlib.import_module("tandem.backends.triton.prefill_remote")
+
+    class FakeRouter:
+        jobs: list = []
+        fail: Exception | None = None
+
+        def __init__(self, endpoints, on_down=None):
+            self.endpoints, self.closed = endpoints, False
+
+        def submit(self, ids, desc):
+            if FakeRouter.fail is not None:
+                raise FakeRouter.fail
+            FakeRouter.jobs.append((ids, desc))
+
+        def close(self):
+            self.closed = True
+    monkeypatch.setattr(prefill_remote, "PrefillRouter", FakeRouter)
+    path = Path(__file__).resolve().parents[2] / "model_repository/prefill/1/model.py"
+    spec = importlib.util.spec_from_file_location("prefill_adapter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TritonPythonModel, FakeRouter
+
+
+def prefill_args(**params):
+    return {"model_config": json.dumps(model_config(decoupled=False, **params)), "model_name": "prefill"}
+
+
+def prefill_request(desc: bytes, ids=(5, 6, 7)):
+    return Request(kv_descriptor=np.frombuffer(desc, dtype=np.uint8).reshape(1, -1),
+                   input_ids=np.array([list(ids)], dtype=np.int32))
+
+
+def a_descriptor() -> bytes:
+    from tandem.rdma import DestinationDescriptor, ModelSpec, ShardScheme
+    return DestinationDescriptor(b"worker", 0, 1, 2, (0,), (ModelSpec("target", 2, 2, 4, 2, "float32", "HND"),),
+                                 ShardScheme(1), ShardScheme(1)).to_bytes()
+
+
+def test_the_prefill_model_forwards_with_endpoints_and_prefills_itself_without(prefill_adapter):
+    from tandem.backends.triton.prefill_local import LocalPrefillModel
+    from tandem.backends.triton.prefill_model import prefill_model_for
+    from tandem.backends.triton.prefill_remote import RemotePrefillModel
+
+    assert isinstance(prefill_model_for(prefill_args()), LocalPrefillModel)
+    adapter_cls, router = prefill_adapter
+    model = adapter_cls()
+    model.initialize(prefill_args(prefill_endpoints="10.0.0.5:8001"))
+    assert isinstance(model.model, RemotePrefillModel)
+    assert model.model.router.endpoints == ["10.0.0.5:8001"]
+    model.finalize()
+    assert model.model.router.closed
+
+
+def test_the_forwarding_prefill_model_acks_refuses_and_reports_unavailable(prefill_adapter, pb_utils):
+    from tandem.backends.triton.disagg_common import NO_TRANSFER
+    from tandem.backends.triton.prefill_router import PrefillUnavailable
+
+    adapter_cls, router = prefill_adapter
+    router.jobs, router.fail = [], None
+    model = adapter_cls()
+    model.initialize(prefill_args(prefill_endpoints="10.0.0.5:8001"))
+    desc = a_descriptor()
+    ok, local, forged = model.execute([prefill_request(desc), prefill_request(NO_TRANSFER),
+                                       prefill_request(b"\x07" * 40)])
+    assert ok.error is None, ok.error.message()
+    assert local.error is None and ok.outputs["prefill_ack"].all()
+    assert [d.tobytes() for _, d in router.jobs] == [desc]      # the local path forwards nothing
+    assert forged.error.code() == pb_utils.TritonError.INVALID_ARG
+    assert forged.error.message().startswith("kv_descriptor: ")
+    router.fail = PrefillUnavailable("no prefill server took the job")
+    (down,) = model.execute([prefill_request(desc)])
+    assert down.error.code() == pb_utils.TritonError.UNAVAILABLE
+    assert "no prefill server" in down.error.message()
+    model.finalize()

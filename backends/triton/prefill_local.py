@@ -1,0 +1,47 @@
+"""The ``prefill`` model's local role: a :class:`~tandem.backends.disagg.PrefillService`
+in this process prefills each job and streams its KV into the decoder's reservation."""
+from __future__ import annotations
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from .disagg_common import token_ids
+from .prefill_model import PrefillModel
+from .settings import EngineSettings
+
+
+class LocalPrefillModel(PrefillModel):
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from tandem.backends.disagg import PrefillService
+        from tandem.rdma import SenderConfig
+
+        s = EngineSettings.from_model_config(json.loads(args["model_config"]))
+        torch.set_num_threads(s.threads)
+        # num_pages sizes the decode pool; the prefill's own pool takes the default.
+        # With speculation the prefill fills the proposer's KV too (the decoder expects it)
+        sender = SenderConfig(timeout_s=float(s.kv_transfer_timeout_s) + 5.0,
+                              net_devices=s.net_devices, transports=s.transports,
+                              faults=s.fault_plan())
+        self.service = PrefillService(s.engine_config(num_pages=None), sender)
+        self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
+        self.service.start()
+        if sender.faults is not None:
+            pb_utils.Logger.log_warn(f"[prefill] fault injection is on: {sender.faults}")
+
+    def take(self, desc, desc_arr, ids_arr) -> None:
+        # raises ValueError (a descriptor that does not fit this prefill's pools) or
+        # PrefillClosing (shutting down)
+        self.service.submit(desc, token_ids(ids_arr), _log_failure)
+
+    def finalize(self) -> None:
+        if getattr(self, "service", None) is not None:
+            # an unload (a draining server, a version roll): the jobs taken finish first
+            self.service.shutdown(drain_s=self.drain_s)
+
+
+def _log_failure(error: str | None) -> None:
+    if error is not None:
+        pb_utils.Logger.log_warn(f"[prefill] KV transfer failed: {error}")
