@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py
 	@touch $(STAMP)
 
 # the demo checkpoints, disaggregated, with MTP speculation; override with SERVE_ARGS=...
-SERVE_ARGS ?= --spec mtp --dtype bfloat16
+SERVE_ARGS ?= --spec mtp
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 

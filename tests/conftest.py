@@ -5,6 +5,19 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def auto_dtype_is_float32():
+    """``dtype="auto"`` is float32 in the tests, whatever this CPU's flags: they compare
+    greedy texts token for token (with HF, across batch shapes and speculation), which
+    bf16 keeps only at a fixed step shape. The choice itself is tested with given flags
+    (test_dtype_auto.py); servers the tests start as a command get ``--dtype float32``."""
+    from tandem.backends.models import dtype
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dtype, "cpu_flags", lambda: frozenset())
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory):
     """The tiny untrained demo checkpoint (2-layer Llama, 2000-token BPE), built once per session."""

@@ -9,10 +9,11 @@ settings and ``tandem serve`` all read them from here.
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from ..kv_cache.pages import KV_LAYOUTS, pages_needed
-from ..models.config import DTYPE_BYTES, DTYPES, ModelConfig
+from ..models.config import DTYPE_BYTES, DTYPE_CHOICES, DTYPES, ModelConfig
+from ..models.dtype import AUTO, resolve_dtype
 from ..speculative.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
@@ -21,7 +22,9 @@ DEFAULT_KV_CACHE_BYTES = 512 << 20
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     model_dir: str
-    dtype: str = "float32"
+    # "auto": bf16 where the device computes it natively, else fp32 (models/dtype.py);
+    # resolved when the config is made, so ``dtype`` is always the one that runs
+    dtype: str = AUTO
     page_size: int = 16
     kv_layout: str = "HND"
     num_pages: int | None = None      # default: a 512 MiB KV pool, capped at what is useful
@@ -36,12 +39,19 @@ class EngineConfig:
     # CPU only: decode batches of 1 and 2 through torch.compile (compiled_decode.py);
     # ~10 s of compiling per size on first use
     compile: bool = False
+    dtype_reason: str = field(default="", compare=False)   # why this dtype (set with "auto")
+
+    def __post_init__(self) -> None:
+        if self.dtype == AUTO:
+            choice = resolve_dtype(AUTO, self.device)
+            object.__setattr__(self, "dtype", choice.dtype)
+            object.__setattr__(self, "dtype_reason", choice.reason)
 
     def validate(self) -> None:
         if self.speculative is not None:
             self.speculative.validate()
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}; allowed: {', '.join(KV_LAYOUTS)}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):

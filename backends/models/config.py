@@ -12,6 +12,7 @@ from pathlib import Path
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the weight/KV dtypes served
 DTYPES = tuple(DTYPE_BYTES)
+DTYPE_CHOICES = ("auto", *DTYPES)   # what users may ask for: "auto" resolves per device (dtype.py)
 
 
 @dataclass(slots=True, frozen=True)

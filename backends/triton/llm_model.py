@@ -84,7 +84,7 @@ class TritonPythonModel:
         instance = args.get("model_instance_name", f"{name}_0")
         self.cancel_listener = CancelListener(f"{instance}.{version}.{os.getpid()}",
                                               lambda key: self.in_flight.cancel(key, notify=False))
-        self.metrics = EngineMetrics(name, version)
+        self.metrics = EngineMetrics(name, version, dtype=s.dtype)
         self.metrics_poller = Poller(self._poll_metrics)
         _log("info", f"engine ready: {s.model_dir} dtype={s.dtype} page_size={s.page_size} "
                      f"kv_layout={s.kv_layout} torch_threads={s.threads}")

@@ -22,6 +22,8 @@ tandem_spec_mean_acceptance_length             gauge      1 + accepted / drafts,
 tandem_kv_pages{state}                         gauge      free, reserved, in_use
 tandem_kv_reservations_reclaimed_total         counter    reservations failed or reclaimed (shared pool)
 tandem_kv_transfer_failures_total{reason}      counter    requests whose KV never arrived, by reason
+tandem_engine_dtype_info{dtype}                gauge      1: the dtype the engine runs (``--dtype auto``
+                                                          picks it per CPU)
 =============================================  =========  =============================================
 
 ``kv_transfer``: ``tandem_kv_received_bytes_total``, ``tandem_kv_reservations_total``,
@@ -144,9 +146,12 @@ class _ModelMetrics:
 class EngineMetrics(_ModelMetrics):
     """What the ``llm`` and ``decode`` models record about requests and the engine."""
 
-    def __init__(self, model: str, version: str):
+    def __init__(self, model: str, version: str, dtype: str = ""):
         super().__init__(model, version)
         r = self._r
+        if dtype:
+            r.metric("tandem_engine_dtype_info", "gauge", "1: the dtype the engine's weights and KV run in",
+                     dtype=dtype).set(1)
         self.ttft = r.metric("tandem_time_to_first_token_seconds", "histogram",
                              "time from the model receiving a request to its first token",
                              TTFT_BUCKETS)

@@ -21,7 +21,8 @@ from dataclasses import Field, dataclass, field, fields
 
 from ..engine.config import ENGINE_DEFAULTS, EngineConfig
 from ..kv_cache.pages import KV_LAYOUTS
-from ..models.config import DTYPES
+from ..models.config import DTYPE_CHOICES
+from ..models.dtype import AUTO, resolve_dtype
 from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, NO_SPECULATION,
                                   SpeculativeConfig)
 
@@ -88,7 +89,9 @@ def parse_value(f: Field, raw: str):
 class EngineSettings:
     model_dir: str = setting("", "--model", "HF checkpoint directory (default: checkpoints/demo/target if "
                              "trained, else an untrained demo checkpoint in .cache/demo-untrained)")
-    dtype: str = setting(ENGINE_DEFAULTS["dtype"], "--dtype", choices=DTYPES)
+    dtype: str = setting(ENGINE_DEFAULTS["dtype"], "--dtype", choices=DTYPE_CHOICES, help=(
+        "weights' and KV's dtype; auto (default): bfloat16 where the CPU computes it natively "
+        "(avx512_bf16 or amx_bf16), else float32"))
     page_size: int = setting(ENGINE_DEFAULTS["page_size"], "--page-size",
                              "tokens per KV page (default: %(default)s)")
     num_pages: int = setting(0, "--num-pages", "KV pages in the pool (default: %(default)s = automatic)")
@@ -144,6 +147,16 @@ class EngineSettings:
     faults: str = setting("", "--faults", "fault injection for tests and benchmarks, passed to the models "
                           "(config parameter `faults`, env TANDEM_FAULTS), e.g. 'transfer_fail=0.05@mid_layers,"
                           "seed=1'; format: rdma/faults.py (default: off)", metavar="SPEC")
+
+    dtype_reason: str = ""                # why this dtype (set when it was auto)
+
+    def __post_init__(self) -> None:
+        # resolved where the settings are made (tandem serve), so every model of a server
+        # renders and runs the same concrete dtype
+        if self.dtype == AUTO:
+            choice = resolve_dtype(AUTO, "cpu")
+            object.__setattr__(self, "dtype", choice.dtype)
+            object.__setattr__(self, "dtype_reason", choice.reason)
 
     @classmethod
     def from_model_config(cls, model_config: dict) -> "EngineSettings":

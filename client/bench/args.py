@@ -150,3 +150,19 @@ def _ranges(numbers: list[int]) -> str:
 def core_count(text: str) -> int:
     """A number of cores, 1 up to this machine's."""
     return Bounded(int, 1, os.cpu_count() or 1)(text)
+
+
+def add_dtype(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, ``auto`` by default as everywhere (bf16 only on a CPU with native bf16;
+    models/dtype.py): parsed to the dtype that runs, which the report then records."""
+    from tandem.backends.models.config import DTYPE_CHOICES
+    from tandem.backends.models.dtype import resolve_dtype
+
+    def dtype(value: str) -> str:
+        if value not in DTYPE_CHOICES:
+            raise ArgumentTypeError(f"{value!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+        return resolve_dtype(value).dtype
+
+    parser.add_argument("--dtype", type=dtype, default="auto",
+                        help="weights' dtype (default: auto = bfloat16 where the CPU computes it natively, "
+                             "else float32)")

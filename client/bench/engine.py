@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.client.bench.args import at_least, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, at_least, positive_int, positive_ints
 from tandem.client.bench.harness import timed
 from tandem.client.bench.report import command, save_figure, write
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint dir (default: checkpoints/demo/target, else a generated "
                         "fixed-size random Llama in .cache/bench-llama)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8,16,32")
     p.add_argument("--prompt-len", type=positive_int, default=64)
     # decode tokens/s is timed as t(N) - t(1): one new token is no decode

@@ -22,7 +22,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import names, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, names, positive_int, positive_ints
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measurement-interval", type=positive_int, default=8000,
                    help="ms per perf_analyzer window")
     p.add_argument("--spec", default="none", choices=["none", "mtp", "draft_target"])
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--keep-work", action="store_true",
                    help="keep the temp dir of genai-perf's files and the server's log (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -18,7 +18,7 @@ import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import names, non_negative_int, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
                             summarize_runs)
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="none", choices=["none", "mtp", "draft_target", "ngram"])
     p.add_argument("--threads", type=non_negative_int, default=0,
                    help="torch threads per engine (0: all cores colocated, half each disaggregated)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--modes", type=names(*MODES), default=",".join(MODES),
                    help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--repeats", type=positive_int, default=3, help="measurements per mode and level, interleaved")

@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tandem.client.bench.args import positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, positive_int, positive_ints
 from tandem.client.bench.report import header, write
 from tandem.client.paths import DEMO_CHECKPOINTS
 
@@ -33,7 +33,7 @@ OPERATOR_NAMESPACES = ("aten::", "mkldnn::")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
     p.add_argument("--k", type=positive_int, default=3, help="draft tokens per verify step")
     p.add_argument("--steps", type=positive_int, default=40)

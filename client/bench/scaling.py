@@ -16,7 +16,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import CommaList, cpu_list, positive_float, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, CommaList, cpu_list, positive_float, positive_int, positive_ints
 from tandem.client.bench.harness import long_context_copy, prompt_texts, start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPUs the prefill server runs on, comma-separated ('' for any)")
     p.add_argument("--decode-cpus", type=cpu_list, default=CommaList([1]),
                    help="CPUs each decode server runs on, comma-separated ('' for any)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--keep-work", action="store_true",
                    help="keep the temp dir of the servers' logs (removed otherwise)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.client.bench.args import (core_count, names, non_negative_floats, positive_float, positive_int,
+from tandem.client.bench.args import (add_dtype, core_count, names, non_negative_floats, positive_float, positive_int,
                          token_range)
 from tandem.client.bench.harness import start_server, long_context_copy, prompt_texts, work_dir
 from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="long prompt length range LO,HI (tokens)")
     p.add_argument("--long-max-tokens", type=positive_int, default=32)
     p.add_argument("--cores", type=core_count, default=2, help="cores of the machine to use")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--modes", type=names(*MODES), default=",".join(MODES),
                    help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--repeats", type=positive_int, default=3, help="measurements per mode and rate, interleaved")

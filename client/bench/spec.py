@@ -14,7 +14,7 @@ from pathlib import Path
 
 from typing import Callable
 
-from tandem.client.bench.args import comma_list, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, comma_list, positive_int, positive_ints
 from tandem.client.bench.harness import timed
 from tandem.client.bench.repeats import error_bars, fmt, spread
 from tandem.client.bench.report import header, save_figure, write
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO / "target")
     p.add_argument("--draft", type=Path, default=DEMO / "draft")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--ks", type=positive_ints, default="1,2,3,4,5")
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
     p.add_argument("--new-tokens", type=positive_int, default=96)

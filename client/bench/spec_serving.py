@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tandem.backends.speculative.config import METHODS as SPEC_METHODS, NO_SPECULATION
 
-from tandem.client.bench.args import (ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
+from tandem.client.bench.args import (add_dtype, ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
                          positive_ints)
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import error_bars, spread
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, default=15.0, help="seconds per concurrency level")
     p.add_argument("--threads", type=non_negative_int, default=0,
                    help="torch threads per engine (0: half the cores)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(p)
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="runs of every setting, interleaved (one server per setting and run)")
     p.add_argument("--keep-work", action="store_true",

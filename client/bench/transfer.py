@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.client.bench.args import ArgumentTypeError, names, non_negative_float, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, ArgumentTypeError, names, non_negative_float, positive_int, positive_ints
 from tandem.client.bench.harness import timed
 from tandem.client.bench.report import command, save_figure
 
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=kv_heads, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_dtype(p)
     p.add_argument("--repeats", type=positive_int, default=5, help="transfers per configuration")
     p.add_argument("--layer-ms", type=non_negative_float, default=3.0,
                    help="simulated compute per layer for the streaming measurement")

@@ -181,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
         server.start()
         api = start_for(server, args.openai_port)   # None when off or nothing to front
         phase[0] = "serving"
-        print(f"tandem: serving {options.engine.model_dir} ({options.mode})", flush=True)
+        engine = options.engine
+        print(f"tandem: serving {engine.model_dir} ({options.mode}), {engine.dtype} "
+              f"({engine.dtype_reason or 'asked for'})", flush=True)
         for name in options.ensembles:
             alias_of = options.aliases.get(name)
             what = ENSEMBLES[name] if alias_of is None else f"= {alias_of}, under a TensorRT-LLM client's name"

@@ -257,7 +257,7 @@ def test_every_long_serve_option_has_a_variable():
     ("TANDEM_GRPC_PORT", "x", "TANDEM_GRPC_PORT='x' (the default of --grpc-port): not a valid int"),
     ("TANDEM_DRAIN_TIMEOUT", "soon", "TANDEM_DRAIN_TIMEOUT='soon' (the default of --drain-timeout): "
                                      "not a valid float"),
-    ("TANDEM_DTYPE", "int4", "TANDEM_DTYPE='int4' (the default of --dtype): allowed: float32, bfloat16, float16"),
+    ("TANDEM_DTYPE", "int4", "TANDEM_DTYPE='int4' (the default of --dtype): allowed: auto, float32, bfloat16, float16"),
     ("TANDEM_NO_SUPERVISE", "maybe", "TANDEM_NO_SUPERVISE='maybe' (the default of --no-supervise, a flag): "
                                      "allowed: 1/true/yes/on to set it, 0/false/no/off or empty not to"),
 ])

@@ -546,6 +546,7 @@ def test_streaming_sends_token_ids_and_text_per_step_then_final(model):
     assert len(tokens) == 1 and tokens.pop().startswith(b"llm_")  # one token per sequence
     assert metric("tandem_requests_in_engine") == 0
     assert metric("tandem_requests_finished_total", reason="length") == 1
+    assert metric("tandem_engine_dtype_info", dtype="float32") == 1   # the dtype it runs, auto resolved
 
 
 def test_non_streaming_sends_every_token_once_without_the_prompt(model):

@@ -249,8 +249,8 @@ def test_demo_checkpoint_is_deterministic_and_loads(tmp_path, demo_checkpoint):
 def test_cli_registers_the_subcommands():
     parser = cli.build_parser()
     args = parser.parse_args(["serve", "--page-size", "32", "--kv-layout", "NHD"])
-    assert (args.page_size, args.kv_layout, args.dtype, args.host, args.grpc_port) == (32, "NHD", "float32",
-                                                                                       "127.0.0.1", 8001)
+    assert (args.page_size, args.kv_layout, args.dtype, args.host, args.grpc_port) == (32, "NHD", "auto",
+                                                                                    "127.0.0.1", 8001)
     args = parser.parse_args(["generate", "hi", "--stream", "--max-tokens", "5"])
     assert (args.prompt, args.stream, args.max_tokens, args.url) == ("hi", True, 5, "localhost:8001")
     assert args.model_name == "tandem"
