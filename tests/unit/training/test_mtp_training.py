@@ -20,8 +20,8 @@ from tandem.backends.training.hidden_states import compute_hidden_states, train_
 from tandem.backends.training.mtp import (MTPTrainConfig, TokenStreams, load_token_streams,
                                           train_mtp, unrolled_forward)
 
-from .test_parity import prompts
-from .tiny_checkpoints import make_checkpoint_with_tokenizer
+from ..hf_reference import prompts
+from ..tiny_checkpoints import make_checkpoint_with_tokenizer
 
 TINY = {"mtp": {"num_windows": 24, "hidden_dtype": "float32"},
         "optim": {"batch_size": 4, "seq_len": 32, "steps": 40, "lr": 3e-3, "warmup_steps": 4,
@@ -48,7 +48,7 @@ def streams(target_dir) -> TokenStreams:
     """This repository's tiny_checkpoints.py, tokenized: text with some structure."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    ids = torch.tensor(tok.encode(Path(__file__).with_name("tiny_checkpoints.py").read_text()).ids)
+    ids = torch.tensor(tok.encode(Path(__file__).parents[1].joinpath("tiny_checkpoints.py").read_text()).ids)
     ids = ids.repeat(3)
     return TokenStreams(ids[: int(0.8 * len(ids))], ids[int(0.8 * len(ids)):])
 

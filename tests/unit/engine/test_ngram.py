@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.engine.proposers.ngram import propose_ngram
 
-from .tiny_checkpoints import make_checkpoint
+from ..tiny_checkpoints import make_checkpoint
 
 
 def brute_force(tokens, k, max_n, min_n):

@@ -244,7 +244,7 @@ def test_train_cli_parses_and_reports_config_errors(tmp_path, capsys):
 def test_shipped_configs_parse(name):
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "configs" / name
+    path = Path(__file__).resolve().parents[3] / "configs" / name
     cfg = LMTrainConfig.from_file(path)
     assert cfg.optim.seq_len >= 256 and cfg.model["num_hidden_layers"] >= 1
 

@@ -12,8 +12,7 @@ from tandem.backends.engine.proposers import DraftVocab
 from tandem.backends.speculative.draft_vocab import (FREQUENCIES_FILE, load_frequent_ids,
                                                      rank_by_frequency, save_frequencies)
 
-from .test_parity import NEW_TOKENS, hf_greedy, prompts
-from .test_speculative import random_mtp_dir, target_dir  # noqa: F401 (fixtures)
+from ..hf_reference import NEW_TOKENS, hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 VOCAB = 384

@@ -18,7 +18,7 @@ from tandem.backends.engine.sampler import verify_drafts
 from tandem.backends.models import load_model
 from tandem.backends.models.mtp import MTPHead, save_mtp_head
 
-from .tiny_checkpoints import make_checkpoint, make_checkpoint_with_tokenizer
+from ..tiny_checkpoints import make_checkpoint, make_checkpoint_with_tokenizer
 
 NEW_TOKENS = 20
 EOS = 2                       # the tiny checkpoints' eos_token_id

@@ -16,7 +16,7 @@ from tandem.client.serve import cli as serve
 from tandem.client.cli import build_parser, main
 from tandem.client.serve.env_defaults import OTHER_VARIABLES, env_var, unknown_variables
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def serve_parser(environ: dict[str, str]) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from tandem.backends.engine.config import EngineConfig
 from tandem.backends.engine.prefill_engine import PrefillEngine
 from tandem.backends.engine.sampler import sample
 
-from .tiny_checkpoints import make_checkpoint
+from ..tiny_checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 POISON_SEED = 666   # a request with this seed makes every step it is in raise

@@ -22,7 +22,7 @@ from tandem.client.serve.env_defaults import EnvDefaultsParser, env_var
 from tandem.client.serve.cli import DRAIN_TIMEOUT_S
 from tandem.client.serve.triton_env import find_triton
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile.*") if p.suffix != ".dockerignore")
 MANIFESTS = sorted((DOCKER / "k8s").glob("*.yaml"))

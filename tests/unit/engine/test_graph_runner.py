@@ -11,7 +11,7 @@ from tandem.backends.engine.model_runner import ForwardBatch, ModelRunner
 from tandem.backends.kv_cache import KVPagePool
 from tandem.backends.models import load_model
 
-from .test_parity import NEW_TOKENS, hf_greedy, prompts
+from ..hf_reference import NEW_TOKENS, hf_greedy, prompts
 
 
 class CountingGraphs(EagerGraphs):

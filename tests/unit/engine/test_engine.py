@@ -4,7 +4,7 @@ import torch
 
 from tandem.backends import LLM, SamplingParams
 
-from .tiny_checkpoints import make_checkpoint
+from ..tiny_checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

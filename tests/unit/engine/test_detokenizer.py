@@ -5,7 +5,7 @@ from tandem.backends import LLM, SamplingParams
 from tandem.backends.engine.detokenizer import IncrementalDetokenizer
 from tandem.backends.models.tokenizer import load_tokenizer
 
-from .tiny_checkpoints import make_checkpoint_with_tokenizer
+from ..tiny_checkpoints import make_checkpoint_with_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,10 @@ import torch
 from torch import nn
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
-from tandem.backends.models import load_model
 from tandem.backends.models.llama import forward_dense
-from tandem.backends.models.mtp import MTPHead, save_mtp_head
 from tandem.backends.engine.proposers import DraftModelProposer, MTPProposer, NgramProposer, Proposer
 
-from .test_parity import NEW_TOKENS, hf_greedy, prompts
-from .tiny_checkpoints import make_checkpoint
+from ..hf_reference import NEW_TOKENS, hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 
@@ -27,26 +24,6 @@ def test_every_proposer_has_the_protocols_methods(cls):
         want = [p for p in inspect.signature(getattr(Proposer, name)).parameters if p != "self"]
         got = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "self"]
         assert got == want, (cls.__name__, name)
-
-
-@pytest.fixture(scope="module")
-def target_dir(checkpoint_root):
-    return make_checkpoint("llama_gqa_untied", checkpoint_root)
-
-
-@pytest.fixture(scope="module")
-def other_draft_dir(checkpoint_root):
-    """A different random model with the same vocabulary: a draft that is mostly wrong."""
-    return make_checkpoint("llama3_rope_tied", checkpoint_root)
-
-
-@pytest.fixture(scope="module")
-def random_mtp_dir(target_dir, checkpoint_root):
-    out = checkpoint_root / "random_mtp"
-    if not out.exists():
-        torch.manual_seed(3)
-        save_mtp_head(MTPHead(load_model(target_dir).config), out, torch.float32)
-    return out
 
 
 def spec_llm(target_dir, method, k, draft, **kw):
