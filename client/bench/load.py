@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.harness import start_server, work_dir
-from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
+from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_table, ratios_to_best,
                             summarize_runs)
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -127,12 +127,7 @@ def table(report: dict) -> str:
             lines.append(f"| {c} | {mode} | {fmt(s['throughput_per_s'], 2)} | {fmt(s['output_tok_s'])} | "
                          f"{fmt(s['decode_tok_s_median'])} | {fmt(s['first_response_ms_p50'])} | "
                          f"{fmt(s['itl_ms_p99'])} |")
-    if report["ratios"]:
-        lines += ["", "| concurrency | conditional / better: output tok/s | decode tok/s | ITL p99 |",
-                  "|---:|---:|---:|---:|"]
-        for c, r in report["ratios"].items():
-            lines.append(f"| {c} | {fmt(r['output_tok_s'], 3)} | {fmt(r['decode_tok_s'], 3)} | "
-                         f"{fmt(r['itl_ms_p99'], 3)} |")
+    lines += ratios_table(report["ratios"], "concurrency")
     return "\n".join(lines)
 
 

@@ -100,3 +100,16 @@ def fmt(s: dict, digits: int = 1) -> str:
     if s.get("median") is None:
         return "–"
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def ratios_table(ratios: dict, point: str) -> list[str]:
+    """The markdown rows of :func:`ratios_to_best`'s result, ``point`` naming its first
+    column (``concurrency``, ``long prompts/s``)."""
+    if not ratios:
+        return []
+    lines = ["", f"| {point} | conditional / better: output tok/s | decode tok/s | ITL p99 |",
+             "|---:|---:|---:|---:|"]
+    for at, x in ratios.items():
+        lines.append(f"| {at} | {fmt(x['output_tok_s'], 3)} | {fmt(x['decode_tok_s'], 3)} | "
+                     f"{fmt(x['itl_ms_p99'], 3)} |")
+    return lines

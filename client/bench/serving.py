@@ -28,7 +28,7 @@ import numpy as np
 from tandem.client.bench.args import (add_dtype, core_count, names, non_negative_floats, positive_float, positive_int,
                          token_range)
 from tandem.client.bench.harness import start_server, long_context_copy, prompt_texts, work_dir
-from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_to_best,
+from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_table, ratios_to_best,
                             summarize_runs)
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -236,12 +236,7 @@ def table(report: dict) -> str:
             s = res["rates"][r]
             lines.append(f"| {r} | {mode} | {fmt(s['output_tok_s'])} | {fmt(s['decode_tok_s_median'])} | "
                          f"{fmt(s['ttft_ms_p50'], 0)} | {fmt(s['itl_ms_p50'])} | {fmt(s['itl_ms_p99'])} |")
-    if report["ratios"]:
-        lines += ["", "| long prompts/s | conditional / better: output tok/s | decode tok/s | ITL p99 |",
-                  "|---:|---:|---:|---:|"]
-        for r, x in report["ratios"].items():
-            lines.append(f"| {r} | {fmt(x['output_tok_s'], 3)} | {fmt(x['decode_tok_s'], 3)} | "
-                         f"{fmt(x['itl_ms_p99'], 3)} |")
+    lines += ratios_table(report["ratios"], "long prompts/s")
     return "\n".join(lines)
 
 

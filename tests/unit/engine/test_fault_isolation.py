@@ -22,11 +22,6 @@ POISON_SEED = 666   # a request with this seed makes every step it is in raise
 
 
 @pytest.fixture(scope="module")
-def target_dir(checkpoint_root):
-    return make_checkpoint("llama_gqa_untied", checkpoint_root)
-
-
-@pytest.fixture(scope="module")
 def draft_dir(checkpoint_root):
     return make_checkpoint("llama3_rope_tied", checkpoint_root)
 
