@@ -9,7 +9,8 @@ detokenized delta (:mod:`.generate_request`); in an ensemble it also relays
 the ``pb_utils`` glue:
 
 - ``execute`` parses each request, submits it to the engine and returns at
-  once; the engine thread sends responses through the request's sender.
+  once; the engine thread hands replies to a sender thread (:mod:`.reply_pump`),
+  which merges a stream's steps while it is behind.
 - Cancellation: a client that calls this model directly is seen through
   ``request.is_cancelled()``; a client that cancels an ensemble through
   postprocess, which sends back the reply's ``cancel_token`` (:mod:`.cancel_channel`).
@@ -37,6 +38,7 @@ from .generate_request import RequestError, parse_token_request, scalar
 from .in_flight import InFlight
 from .metrics import EngineMetrics, Poller
 from .postprocess import PROMPT_ECHO
+from .reply_pump import ReplyPump
 from .response_arrays import ENGINE_OUTPUT_NAMES, string_array
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
@@ -79,6 +81,8 @@ class TritonPythonModel:
                 f"model_dir {s.model_dir} has no tokenizer.json; model {name!r} detokenizes its output")
         self.engine.start()
         self.in_flight = InFlight(self.engine, s.cancel_poll_ms / 1000.0)
+        # responses leave on a thread of their own, not the engine's (reply_pump)
+        self.replies = ReplyPump()
         # keyed by instance, version and process: a new version, or the same one
         # reloaded, loads while the old one drains
         instance = args.get("model_instance_name", f"{name}_0")
@@ -136,7 +140,7 @@ class TritonPythonModel:
         # for the ensemble's postprocess step, on every reply
         relay = {CANCEL_TOKEN: string_array(token),
                  PROMPT_ECHO: string_array(b"" if echo is None else bytes(echo))}
-        stream = ResponseStream(parsed, lambda reply: _send(sender, reply), relay)
+        stream = ResponseStream(parsed, self.replies.outbox(lambda reply: _send(sender, reply)).put, relay)
         in_flight, metrics = self.in_flight, self.metrics
 
         def on_output(out, index: int, clock) -> None:  # engine thread
@@ -194,6 +198,9 @@ class TritonPythonModel:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        replies = getattr(self, "replies", None)
+        if replies is not None:
+            replies.close()   # the streams' last replies go out before the stub ends
         poller = getattr(self, "metrics_poller", None)
         if poller is not None:
             poller.stop()

@@ -10,7 +10,9 @@ A request with ``num_return_sequences`` n is n engine requests (sequences); each
 reply carries its ``sequence_index``, and ``final`` comes with the last sequence's end.
 
 - ``stream=True``: one reply per engine step that produced tokens (several with
-  speculation); a sequence's last one carries its finish reason.
+  speculation); a sequence's last one carries its finish reason. The engine models
+  send through a :class:`~.reply_pump.ReplyPump`, which merges the replies of steps
+  that queued up behind a busy sender.
 - ``stream=False``: a single reply per sequence with every token and the whole text;
   with one sequence that is the one reply Triton's HTTP ``generate`` endpoint requires.
 
@@ -44,10 +46,19 @@ from .response_arrays import SequenceReply, engine_arrays
 
 @dataclass(slots=True, frozen=True)
 class Reply:
-    outputs: dict[str, np.ndarray] | None = None
+    """Tokens (``sequence``, with the ``relay`` arrays), an error, or the bare final flag."""
+    sequence: SequenceReply | None = None
+    relay: dict[str, np.ndarray] | None = None
     error: str | None = None
     code: str = "INVALID_ARG"  # Triton error code: INVALID_ARG, CANCELLED, INTERNAL, UNAVAILABLE
     final: bool = False
+
+    @property
+    def outputs(self) -> dict[str, np.ndarray] | None:
+        """The response's tensors (built when sent: merged replies build them once)."""
+        if self.sequence is None:
+            return None
+        return {**engine_arrays(self.sequence), **(self.relay or {})}
 
 
 class _Sequence:
@@ -111,7 +122,7 @@ class ResponseStream:
                 num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                 sequence_index=index, log_probs=list(log_probs), cum_log_prob=cum)
             final = not self.unfinished()
-            self._emit(Reply(outputs={**engine_arrays(reply), **self._relay}, final=final))
+            self._emit(Reply(sequence=reply, relay=self._relay, final=final))
 
     def client_cancelled(self, is_cancelled: Callable[[], bool]) -> bool:
         """Ask Triton (``is_cancelled``) whether the client cancelled this open stream.

@@ -59,6 +59,22 @@ class Sender:
         return bool(self.sent) and bool(self.sent[-1][1] & FINAL)
 
 
+class SlowSender(Sender):
+    """A sender whose first ``send`` blocks until ``release`` is set: the server is slow
+    to take a response, so the stream falls behind."""
+
+    def __init__(self):
+        import threading
+        super().__init__()
+        self.sending, self.release = threading.Event(), threading.Event()
+
+    def send(self, response=None, flags=0):
+        if not self.sent:
+            self.sending.set()
+            assert self.release.wait(5), "never released"
+        super().send(response, flags)
+
+
 class Request:
     def __init__(self, **inputs):
         self.inputs = {k: Tensor(k, v) for k, v in inputs.items()}
@@ -150,6 +166,7 @@ class FakeEngine:
         self.reject: str | None = None
         # what the metrics poller reads: no speculation, (free, used) pages
         self.spec_metrics, self.kv_pages = None, (30, 2)
+        self.flush = None      # the model's reply sender: emit() returns once its replies went out
         FakeEngine.instances.append(self)
 
     def start(self):
@@ -182,3 +199,5 @@ class FakeEngine:
                 request_id=f"req-{index}", new_token_ids=[10 + i], new_text=text, finished=last,
                 finish_reason=reason if last else None, num_prompt_tokens=prompt_tokens,
                 num_output_tokens=i + 1, new_logprobs=lp, cumulative_logprob=cum))
+            if self.flush is not None:
+                self.flush()   # one response per step, as when the sender keeps up
