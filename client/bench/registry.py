@@ -21,6 +21,8 @@ BENCHMARKS = {
     "soak": "N requests under cancellations, injected faults, extreme values and stub kills: hung, "
             "unclear failures, inexact greedy text, leaks, recovery time",
     "genai-perf": "genai-perf against the ensemble (triton service kind) and the OpenAI API (completions, chat)",
+    "hops": "CPU µs per generated token in each serving process (decode, postprocess, tritonserver, "
+            "the gRPC client, the OpenAI frontend)",
 }
 
 
