@@ -36,7 +36,8 @@ def prefill_start(model_dir: str, timeout_s: float = 15.0, faults: str | None = 
     from tandem.rdma import Faults, SenderConfig
     if "prefill" in _state:
         _state.pop("prefill").shutdown()
-    svc = PrefillService(EngineConfig(model_dir, **engine_args),
+    # fp32 as the decode side's pool (the decode_pool fixture): "auto" could pick bf16 here
+    svc = PrefillService(EngineConfig(model_dir, **{"dtype": "float32", **engine_args}),
                          SenderConfig(timeout_s=timeout_s, faults=Faults.parse(faults)))
     svc.start()
     _state["prefill"] = svc
