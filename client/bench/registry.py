@@ -23,6 +23,8 @@ BENCHMARKS = {
     "genai-perf": "genai-perf against the ensemble (triton service kind) and the OpenAI API (completions, chat)",
     "hops": "CPU µs per generated token in each serving process (decode, postprocess, tritonserver, "
             "the gRPC client, the OpenAI frontend)",
+    "peers": "Tandem against vLLM's CPU build through their OpenAI APIs: tok/s, ITL, cold and warm TTFT, "
+             "plain and speculative",
 }
 
 

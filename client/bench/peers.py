@@ -1,0 +1,375 @@
+"""``tandem bench peers``: Tandem against vLLM's CPU build on this machine, both
+through their OpenAI APIs, driven by one load generator (:mod:`.openai_load`).
+
+Both serve the same checkpoint in the same dtype, each with its own defaults for
+threads and batching (a user's first run), greedy streams of exactly ``--max-tokens``
+tokens, at each ``--concurrency`` (closed loop). A level's requests alternate cold
+(unique) and warm (a shared 256-token prefix + a unique suffix) prompts.
+
+Servers are started in groups of comparable speculation (plain; ngram; a draft model:
+vLLM's draft_model, Tandem's draft_target and mtp), all of a group up at once and idle
+but for the one under measurement (the CPU the idle ones burn meanwhile is recorded);
+within a group every level of every repeat is measured on each server in turn, the
+order rotated, so that a shared host's drift falls on all alike. Ratios (Tandem over
+vLLM) are taken per repeat, then their median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from tandem.client.bench.args import ArgumentTypeError, names, positive_int, positive_ints
+from tandem.client.bench.harness import work_dir
+from tandem.client.bench.openai_load import run_closed_loop, stream_completion, summarize
+from tandem.client.bench.peers_workload import (Prompts, auto_dtype, body, cpu_info, requests_per_level,
+                                                tree_cpu_s)
+from tandem.client.bench.repeats import error_bars, fmt, spread
+from tandem.client.bench.report import header, save_figure, write
+from tandem.client.paths import DEMO_CHECKPOINTS
+
+DEFAULT_OUT = Path("docs/bench/peers.json")
+SERVERS = ("vllm", "tandem")
+# speculation each server offers here, and the group it is measured in
+METHODS = {"none": ("vllm", "tandem"), "ngram": ("vllm", "tandem"), "draft_model": ("vllm",),
+           "draft_target": ("tandem",), "mtp": ("tandem",)}
+GROUP = {"none": "plain", "ngram": "ngram", "draft_model": "draft", "draft_target": "draft", "mtp": "draft"}
+# a pause before each level: the previous server's spinning threads wind down
+SETTLE_S = 1.0
+KEYS = ("output_tok_s", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "ttft_cold_ms_p50", "ttft_warm_ms_p50",
+        "ttft_cold_ms_p99", "ttft_warm_ms_p99", "tokens_per_chunk")
+
+
+def dtype(text: str) -> str:
+    if text not in ("auto", "float32", "bfloat16"):
+        raise ArgumentTypeError(f"must be auto, float32 or bfloat16, got {text!r}")
+    return auto_dtype(cpu_info()) if text == "auto" else text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft",
+                   help="draft checkpoint of vLLM's draft_model and Tandem's draft_target")
+    p.add_argument("--dtype", type=dtype, default="auto",
+                   help="auto (default): bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32")
+    p.add_argument("--servers", type=names(*SERVERS), default=",".join(SERVERS))
+    p.add_argument("--peers-only", action="store_true", help="measure vLLM only (same as --servers vllm)")
+    p.add_argument("--methods", type=names(*METHODS), default=",".join(METHODS),
+                   help="speculation, each on the servers that have it: none, ngram (both), "
+                        "draft_model (vLLM), draft_target, mtp (Tandem)")
+    p.add_argument("--k", type=positive_int, default=3, help="draft tokens per step of every speculation")
+    p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
+    p.add_argument("--requests", type=positive_int, default=8,
+                   help="requests per level (at least 2 per stream: 2 x concurrency)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per stream (min_tokens too)")
+    p.add_argument("--prefix-tokens", type=positive_int, default=256, help="the warm prompts' shared prefix")
+    p.add_argument("--suffix-tokens", type=positive_int, default=32,
+                   help="the warm prompts' unique suffix (cold prompts: prefix + suffix tokens, all unique)")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--tandem-mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--vllm-kv-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--keep-work", action="store_true", help="keep the servers' logs (a temp dir)")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: print the table and redraw the plot of the report at --out")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+def configs(servers, methods) -> list[tuple[str, str]]:
+    """(server, method) of every server and every speculation it offers.
+
+    >>> configs(["vllm", "tandem"], ["none", "mtp"])
+    [('vllm', 'none'), ('tandem', 'none'), ('tandem', 'mtp')]
+    """
+    return [(s, m) for m in methods for s in servers if s in METHODS[m]]
+
+
+def groups(cfgs: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """The configurations up at the same time.
+
+    >>> groups([("vllm", "none"), ("tandem", "none"), ("vllm", "draft_model"), ("tandem", "mtp")])
+    {'plain': [('vllm', 'none'), ('tandem', 'none')], 'draft': [('vllm', 'draft_model'), ('tandem', 'mtp')]}
+    """
+    out: dict[str, list] = {}
+    for cfg in cfgs:
+        out.setdefault(GROUP[cfg[1]], []).append(cfg)
+    return out
+
+
+def label(cfg: tuple[str, str]) -> str:
+    return f"{cfg[0]}/{cfg[1]}"
+
+
+def rotated(items: list, by: int) -> list:
+    """``items`` started at ``by`` (mod len): who goes first changes per level and repeat.
+
+    >>> rotated([1, 2, 3], 4)
+    [2, 3, 1]
+    """
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | None) -> dict:
+    """Every server of a group started at once (their loading overlaps), then awaited."""
+    from tandem.client.bench import peer_servers as ps
+    from tandem.client.serve.triton_server import free_port
+    servers = {}
+    for server, method in cfgs:
+        port, name = free_port(), f"{server}-{method}"
+        if server == "vllm":
+            cmd, env = ps.vllm_command(vllm_python, args.model, port, args.dtype, method, args.k, args.draft), \
+                ps.vllm_env(args.vllm_kv_gib)
+        else:
+            run_dir = work / name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd, env = ps.tandem_command(args.model, port, args.dtype, method, args.k, args.tandem_mode,
+                                         run_dir), ps.tandem_env()
+            if method == "draft_target":
+                cmd += ["--draft-model", str(args.draft)]
+        srv = ps.OpenAIServer(name, cmd, env, port, work / f"{name}.log")
+        stack.callback(srv.stop)
+        servers[(server, method)] = srv.start()
+    ps.wait_ready(list(servers.values()))
+    for cfg, srv in servers.items():
+        print(f"  {label(cfg)} ready in {srv.ready_s:.0f} s (port {srv.port})", flush=True)
+    return servers
+
+
+def warm_up(srv, cfg, args, prompts: Prompts) -> None:
+    """Two short streams (first-call costs: allocation, lazy compiles), and the shared
+    prefix into the prefix cache."""
+    import asyncio
+    vllm = cfg[0] == "vllm"
+    for text in (prompts.cold[-1], prompts.prefix + prompts.suffixes[-1]):
+        r = asyncio.run(stream_completion("127.0.0.1", srv.port, body("tandem", text, 16, vllm), "warm-up"))
+        if r.error:
+            from tandem.client.bench.peer_servers import PeerError
+            raise PeerError(f"{label(cfg)}: warm-up failed: {r.error}\n{srv.log_tail()}")
+
+
+def measure(srv, cfg, c: int, start: int, args, prompts: Prompts, others: list) -> dict:
+    """One level on one server: its summary, the load average before it and the CPU %
+    of one core the other (idle) servers used meanwhile."""
+    n = requests_per_level(args.requests, c)
+    vllm = cfg[0] == "vllm"
+    reqs = [(kind, body("tandem", text, args.max_tokens, vllm)) for kind, text in prompts.level(start, n)]
+    time.sleep(SETTLE_S)
+    load = os.getloadavg()[0]
+    idle0, t0 = sum(tree_cpu_s(o.proc.pid) for o in others), time.monotonic()
+    results, wall = run_closed_loop("127.0.0.1", srv.port, reqs, c)
+    idle_pct = 100 * (sum(tree_cpu_s(o.proc.pid) for o in others) - idle0) / (time.monotonic() - t0)
+    out = {**summarize(results, wall), "wall_s": round(wall, 2), "load_avg": round(load, 2),
+           "others_cpu_pct": round(idle_pct, 1)}
+    print(f"  {label(cfg):20s} c={c:<3d} {out['output_tok_s']:7.1f} tok/s  ITL p50 {out['itl_ms_p50']} ms  "
+          f"TTFT cold {out.get('ttft_cold_ms_p50')} warm {out.get('ttft_warm_ms_p50')} ms  "
+          f"errors {out['errors']}  load {load:.2f}  idle servers {idle_pct:.0f}%", flush=True)
+    return out
+
+
+def offsets(concurrency: list[int], repeats: int, minimum: int) -> tuple[dict, int]:
+    """The first prompt index of every (repeat, level), so that no prompt repeats on a
+    server, and how many prompts that needs.
+
+    >>> offsets([1, 4], 2, 3)
+    ({(0, 1): 0, (0, 4): 3, (1, 1): 11, (1, 4): 14}, 22)
+    """
+    out, pos = {}, 0
+    for rep in range(repeats):
+        for c in concurrency:
+            out[(rep, c)] = pos
+            pos += requests_per_level(minimum, c)
+    return out, pos
+
+
+def aggregate(runs: dict, concurrency: list[int]) -> dict:
+    """``{config: {c: {key: spread}}}`` of the repeats' results."""
+    return {label(cfg): {str(c): {k: spread([r.get(k) for r in per_c[c]]) for k in KEYS}
+                         | {"errors": sum(r["errors"] for r in per_c[c])} for c in concurrency}
+            for cfg, per_c in runs.items()}
+
+
+def ratio(mine: list[dict], theirs: list[dict], key: str) -> dict:
+    """Per repeat, ``mine[key] / theirs[key]``; their spread."""
+    return spread([round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
+                   for a, b in zip(mine, theirs)])
+
+
+def best(runs: dict, server: str, c: int, spec_only: bool) -> tuple[str, str] | None:
+    """The configuration of ``server`` with the highest median output tok/s at ``c``."""
+    cands = {cfg: statistics.median(r["output_tok_s"] for r in per_c[c] if r["output_tok_s"] is not None)
+             for cfg, per_c in runs.items() if cfg[0] == server and (not spec_only or cfg[1] != "none")
+             and any(r["output_tok_s"] is not None for r in per_c[c])}
+    return max(cands, key=cands.get) if cands else None
+
+
+def comparisons(runs: dict, concurrency: list[int]) -> dict:
+    """Tandem over vLLM per level: plain against plain (output tok/s, ITL p50, cold
+    TTFT p50) and best speculation against best speculation (output tok/s)."""
+    out = {}
+    for c in concurrency:
+        row = {}
+        if ("tandem", "none") in runs and ("vllm", "none") in runs:
+            mine, theirs = runs[("tandem", "none")][c], runs[("vllm", "none")][c]
+            row["plain"] = {k: ratio(mine, theirs, k) for k in ("output_tok_s", "itl_ms_p50", "tpot_ms_p50",
+                                                                 "ttft_cold_ms_p50")}
+        tb, vb = best(runs, "tandem", c, True), best(runs, "vllm", c, True)
+        if tb and vb:
+            row["best_speculation"] = {"tandem": label(tb), "vllm": label(vb),
+                                       "output_tok_s": ratio(runs[tb][c], runs[vb][c], "output_tok_s")}
+        out[str(c)] = row
+    return out
+
+
+def table(summary: dict, concurrency: list[int], key: str, digits: int = 1) -> str:
+    lines = [f"| {key} | " + " | ".join(f"c={c}" for c in concurrency) + " |",
+             "|---|" + "---:|" * len(concurrency)]
+    for name, per_c in summary.items():
+        lines.append(f"| {name} | " + " | ".join(fmt(per_c[str(c)][key], digits) for c in concurrency) + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(comp: dict, concurrency: list[int]) -> str:
+    rows = [("plain output tok/s", "plain", "output_tok_s"), ("plain ITL p50", "plain", "itl_ms_p50"),
+            ("plain TPOT p50", "plain", "tpot_ms_p50"),
+            ("plain cold TTFT p50", "plain", "ttft_cold_ms_p50"),
+            ("best speculation output tok/s", "best_speculation", "output_tok_s")]
+    lines = ["| Tandem / vLLM (per repeat, median (min–max)) | " + " | ".join(f"c={c}" for c in concurrency)
+             + " |", "|---|" + "---:|" * len(concurrency)]
+    for name, part, key in rows:
+        cells = [fmt(comp[str(c)].get(part, {}).get(key, {}), 2) for c in concurrency]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    picks = {f"c={c}": f"{comp[str(c)]['best_speculation']['tandem']} vs {comp[str(c)]['best_speculation']['vllm']}"
+             for c in concurrency if "best_speculation" in comp[str(c)]}
+    if picks:
+        lines.append("\nbest speculation: " + "; ".join(f"{k} {v}" for k, v in picks.items()))
+    return "\n".join(lines)
+
+
+def markdown(report: dict, concurrency: list[int]) -> str:
+    s = report["summary"]
+    levels = [r for per_c in report["runs"].values() for rs in per_c.values() for r in rs]
+    loads = [r["load_avg"] for r in levels]
+    idle = max((r["others_cpu_pct"] for r in levels), default=0)
+    pt = report["prompt_tokens"]
+    parts = [f"`{report['command']}`", "",
+             f"{report['date']}; {report['machine']}; code {report.get('git', 'not recorded')}", "",
+             f"CPU: {report['cpu']['model']}, flags {', '.join(report['cpu']['flags']) or 'none of note'}; "
+             f"dtype {report['dtype']}. A shared machine: other developers' tests ran meanwhile, load average "
+             f"{min(loads, default=0):.1f}–{max(loads, default=0):.1f} before the levels (2 cores); the servers "
+             f"not under measurement used at most {idle:.0f}% of a core.", "",
+             f"vLLM {report['versions']['vllm']} (its defaults: OpenMP on one core, the other reserved for its "
+             f"scheduler), Tandem `tandem serve --mode {report['tandem_mode']}` (its defaults), k={report['k']}; "
+             f"cold prompts {pt['cold']} tokens (unique), warm {pt['warm']} tokens; {report['max_tokens']} tokens "
+             f"per stream; medians of {report['repeats']} repeats (min–max)", "",
+             ratio_table(report["comparisons"], concurrency), ""]
+    for key, digits in (("output_tok_s", 1), ("itl_ms_p50", 1), ("itl_ms_p99", 1), ("tpot_ms_p50", 1),
+                        ("ttft_cold_ms_p50", 0), ("ttft_warm_ms_p50", 0), ("tokens_per_chunk", 2)):
+        parts += [table(s, concurrency, key, digits), ""]
+    if report.get("failed_to_start"):
+        parts += [f"did not start: {', '.join(report['failed_to_start'])}", ""]
+    return "\n".join(parts)
+
+
+def plot(summary: dict, concurrency: list[int], out: Path, report: dict) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
+    panels = (("output_tok_s", "output tok/s (all streams)"), ("itl_ms_p50", "ITL p50 (ms)"),
+              ("ttft_cold_ms_p50", "TTFT p50, cold prompts (ms)"), ("ttft_warm_ms_p50", "TTFT p50, warm prompts (ms)"))
+    for ax, (key, ylabel) in zip(axes, panels):
+        for i, (name, per_c) in enumerate(summary.items()):
+            med, err = error_bars([per_c[str(c)][key] for c in concurrency])
+            ax.errorbar(concurrency, med, yerr=err, fmt="o-" if name.startswith("tandem") else "s--",
+                        capsize=2, color=f"C{i}", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrency, [str(c) for c in concurrency])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=7)
+    axes[0].set_title(f"Tandem vs vLLM (CPU), {report['dtype']}, medians of {report['repeats']} (min–max)",
+                      fontsize=9, loc="left")
+    return save_figure(fig, out.with_suffix(".png"), report)
+
+
+def git_state() -> str:
+    """The commit measured, and whether the working tree differed from it."""
+    import subprocess
+
+    from tandem.client.paths import REPO_ROOT
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' with uncommitted changes' if dirty else ''}" if head else "unknown"
+
+
+def render(report: dict, out: Path) -> None:
+    concurrency = [int(c) for c in next(iter(report["summary"].values()))] if report["summary"] else []
+    md = markdown(report, concurrency)
+    out.with_suffix(".md").write_text(f"# tandem bench peers\n\n{md}\n")
+    print(md)
+    print(f"wrote {out}, {out.with_suffix('.md')}, {plot(report['summary'], concurrency, out, report)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.client.bench.peer_servers import PEERS_VENV, PeerError, ensure_vllm_venv, vllm_version
+    if args.report_only:
+        render(json.loads(args.out.read_text()), args.out)
+        return 0
+    servers = ["vllm"] if args.peers_only else list(args.servers)
+    concurrency = list(args.concurrency)
+    cfgs = configs(servers, args.methods)
+    if not cfgs:
+        raise SystemExit(f"no server offers {args.methods} ({', '.join(servers)})")
+    vllm_python = ensure_vllm_venv() if "vllm" in servers else None
+    starts, total = offsets(concurrency, args.repeats, args.requests)
+    prompts = Prompts.cut(args.model / "tokenizer.json", total + 1, args.prefix_tokens, args.suffix_tokens)
+    cpu, load_start, git = cpu_info(), round(os.getloadavg()[0], 2), git_state()
+    print(f"CPU {cpu['model']} ({', '.join(cpu['flags'])}), dtype {args.dtype}, load {load_start}; "
+          f"{', '.join(map(label, cfgs))}", flush=True)
+    runs = {cfg: {c: [] for c in concurrency} for cfg in cfgs}
+    ready_s, failed = {}, {}
+    with work_dir("tandem-bench-peers-", keep=args.keep_work) as work:
+        for group, members in groups(cfgs).items():
+            print(f"group {group}: starting {', '.join(map(label, members))}", flush=True)
+            with ExitStack() as stack:
+                try:
+                    up = start_group(stack, members, args, work, vllm_python)
+                    for cfg, srv in up.items():
+                        ready_s[label(cfg)] = srv.ready_s
+                        warm_up(srv, cfg, args, prompts)
+                except PeerError as exc:     # the other groups still run; the report says why
+                    print(f"  group {group} did not start: {exc}", flush=True)
+                    failed[group] = str(exc)[-2000:]
+                    for cfg in members:
+                        del runs[cfg]
+                    continue
+                for rep in range(args.repeats):
+                    for i, c in enumerate(concurrency):
+                        for cfg in rotated(members, rep + i):
+                            others = [s for k, s in up.items() if k != cfg]
+                            runs[cfg][c].append(measure(up[cfg], cfg, c, starts[(rep, c)], args, prompts, others))
+    report = {**header("peers", args), "cpu": cpu, "dtype": args.dtype,
+              "versions": {"vllm": vllm_version(vllm_python) if vllm_python else None},
+              "load_avg_start": load_start, "load_avg_end": round(os.getloadavg()[0], 2),
+              "repeats": args.repeats, "max_tokens": args.max_tokens,
+              "prompt_tokens": {"cold": args.prefix_tokens + args.suffix_tokens,
+                                "warm": f"{args.prefix_tokens} shared + {args.suffix_tokens}"},
+              "git": git, "ready_s": ready_s, "tandem_mode": args.tandem_mode, "k": args.k,
+              "peers_venv": str(PEERS_VENV) if vllm_python else None, "failed_to_start": failed}
+    report["machine"] += (f"; CPU {cpu['model']} ({', '.join(cpu['flags']) or 'no avx2/avx512/amx'}); "
+                          f"shared host, load {load_start}..{report['load_avg_end']}")
+    report["summary"] = aggregate(runs, concurrency)
+    report["comparisons"] = comparisons(runs, concurrency)
+    report["runs"] = {label(cfg): {str(c): v for c, v in per_c.items()} for cfg, per_c in runs.items()}
+    write(report, args.out)
+    render(report, args.out)
+    return 0

@@ -1,0 +1,120 @@
+"""What ``tandem bench peers`` sends and where it runs: the machine's CPU (model, the
+flags that decide the dtype), the prompts (cold: unique; warm: one shared prefix and a
+unique suffix, cut from the standard library's source, the same for every server),
+the request bodies, and the CPU that servers not under measurement burn meanwhile.
+
+>>> body("tandem", "def f():", 128, vllm=True)["ignore_eos"]
+True
+>>> kinds(5)
+['cold', 'warm', 'cold', 'warm', 'cold']
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.client.serve.process_group import live_processes
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and which of :data:`CPU_FLAGS` it has."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "unknown", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count()}
+
+
+def auto_dtype(info: dict) -> str:
+    """bf16 only where the CPU computes it natively; fp32 otherwise (bf16 emulated on
+    AVX2 is several times slower).
+
+    >>> auto_dtype({"flags": ["avx2"]}), auto_dtype({"flags": ["avx2", "amx_bf16"]})
+    ('float32', 'bfloat16')
+    """
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(info["flags"]) else "float32"
+
+
+def kinds(n: int) -> list[str]:
+    """Cold and warm requests alternate within a level, so both meet the same load."""
+    return ["cold" if i % 2 == 0 else "warm" for i in range(n)]
+
+
+def requests_per_level(minimum: int, concurrency: int) -> int:
+    """At least two requests per stream: every stream then starts one under full load."""
+    return max(minimum, 2 * concurrency)
+
+
+def body(model: str, prompt: str, max_tokens: int, vllm: bool) -> dict:
+    """A greedy streaming completion of exactly ``max_tokens`` tokens (min = max; vLLM
+    also needs ``ignore_eos``, as min_tokens alone still stops at a stop string)."""
+    out = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+           "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if vllm:
+        out["ignore_eos"] = True
+    return out
+
+
+@dataclass(slots=True)
+class Prompts:
+    """Texts of about the given token counts from disjoint windows of one token stream:
+    ``prefix`` (shared by the warm prompts), then unique ``cold`` and ``suffixes``."""
+    prefix: str
+    cold: list[str]
+    suffixes: list[str]
+
+    @classmethod
+    def cut(cls, tokenizer_json: Path, n: int, prefix_tokens: int, suffix_tokens: int) -> "Prompts":
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tokenizer_json))
+        cold_len = prefix_tokens + suffix_tokens
+        need = prefix_tokens + n * (cold_len + suffix_tokens)
+        ids: list[int] = []
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            ids += tok.encode(f.read_text(errors="replace")).ids
+            if len(ids) >= need:
+                break
+        if len(ids) < need:
+            raise ValueError(f"the standard library holds {len(ids)} tokens; {need} needed for {n} prompts")
+        pos = prefix_tokens
+        cold, suffixes = [], []
+        for _ in range(n):
+            cold.append(tok.decode(ids[pos:pos + cold_len]))
+            suffixes.append(tok.decode(ids[pos + cold_len:pos + cold_len + suffix_tokens]))
+            pos += cold_len + suffix_tokens
+        return cls(tok.decode(ids[:prefix_tokens]), cold, suffixes)
+
+    def level(self, start: int, n: int) -> list[tuple[str, str]]:
+        """``n`` (kind, prompt) of a level, alternating cold and warm; the cold ones and
+        the warm suffixes from ``start`` on (each level and repeat its own)."""
+        return [(kind, self.cold[start + i] if kind == "cold" else self.prefix + self.suffixes[start + i])
+                for i, kind in enumerate(kinds(n))]
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) the live processes under ``root`` (it included) have
+    used: an idle server must stay near zero while another one is measured."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for pid, fields, _ in live_processes():
+        children.setdefault(int(fields[1]), []).append(pid)
+        times[pid] = (int(fields[11]) + int(fields[12])) / ticks   # utime, stime
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total

@@ -1,0 +1,202 @@
+"""``tandem bench peers``' pure parts: the streams of both servers parsed, the
+statistics, the prompts and the option checks (no server, no timing thresholds)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from tandem.client.bench import peers
+from tandem.client.bench.openai_load import (ChunkedDecoder, SSEParser, StreamResult, closed_loop, parse_event,
+                                             percentile, summarize)
+from tandem.client.bench.peer_servers import spec_config, tandem_command, vllm_command
+from tandem.client.bench.peers_workload import auto_dtype, body, cpu_info, kinds, requests_per_level
+
+# what vLLM 0.32's /v1/completions streams with stream_options.include_usage
+VLLM_STREAM = (
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
+    b'"text":" def","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
+    b'"text":" f","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[],'
+    b'"usage":{"prompt_tokens":5,"total_tokens":7,"completion_tokens":2}}\n\n'
+    b'data: [DONE]\n\n')
+# what Tandem's frontend streams (no usage key in content chunks, CRLF as some proxies send)
+TANDEM_STREAM = (
+    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
+    b'"text":" def","logprobs":null,"finish_reason":null}]}\r\n\r\n'
+    b': keep-alive comment\r\n\r\n'
+    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
+    b'"text":" f","logprobs":null,"finish_reason":"length"}]}\r\n\r\n'
+    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\r\n\r\n'
+    b'data: [DONE]\r\n\r\n')
+
+
+def events(stream: bytes, step: int) -> list:
+    parser = SSEParser()
+    out = []
+    for i in range(0, len(stream), step):
+        out += [parse_event(p) for p in parser.feed(stream[i:i + step])]
+    return out
+
+
+@pytest.mark.parametrize("stream", [VLLM_STREAM, TANDEM_STREAM], ids=["vllm", "tandem"])
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_both_servers_streams_parse_alike_however_split(stream, step):
+    evs = events(stream, step)
+    assert [e.text for e in evs[:3]] == [" def", " f", ""]
+    assert evs[1].finish_reason == "length"
+    assert evs[2].completion_tokens == 2
+    assert evs[3] is None          # [DONE]
+    assert len(evs) == 4           # the comment carries no payload
+
+
+def test_an_error_inside_the_stream_is_an_error_event():
+    ev = parse_event(json.dumps({"error": {"message": "boom", "type": "internal"}}))
+    assert ev.error == "boom" and ev.text == ""
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_chunked_body_decodes_across_splits(step):
+    raw = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n"
+    d, out = ChunkedDecoder(), b""
+    for i in range(0, len(raw), step):
+        out += d.feed(raw[i:i + step])
+    assert out == b"hello, world" and d.done
+
+
+def test_percentile_interpolates_as_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_summary_counts_tokens_gaps_and_kinds():
+    a = StreamResult("cold", chunk_s=[0.1, 0.2, 0.4], completion_tokens=4)   # a chunk of 2 tokens
+    b = StreamResult("warm", chunk_s=[0.05, 0.15], completion_tokens=2)
+    bad = StreamResult("cold", error="HTTP 500")
+    s = summarize([a, b, bad], wall_s=2.0)
+    assert s["requests"] == 3 and s["errors"] == 1 and s["first_error"] == "HTTP 500"
+    assert s["output_tok_s"] == 3.0                                  # 6 tokens / 2 s
+    assert s["tokens_per_chunk"] == round(6 / 5, 3)
+    assert s["ttft_cold_ms_p50"] == 100.0 and s["ttft_warm_ms_p50"] == 50.0
+    assert s["itl_ms_p50"] == 100.0                                   # gaps 0.1, 0.2, 0.1
+    assert s["tpot_ms_p50"] == pytest.approx(100.0)                   # (0.3 / 3 and 0.1 / 1)
+
+
+def test_usage_missing_falls_back_to_text_chunks():
+    assert StreamResult("cold", chunk_s=[0.1, 0.2]).tokens == 2
+
+
+def test_load_generator_against_a_chunked_sse_server():
+    """The whole client path: HTTP/1.1, chunked, SSE, usage; and an HTTP error."""
+    async def main():
+        seen = []
+
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+            req = json.loads(await reader.readexactly(length))
+            seen.append(req)
+            if req["prompt"] == "bad":
+                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 5\r\n\r\nnope!")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for i in range(0, len(VLLM_STREAM), 50):
+                    piece = VLLM_STREAM[i:i + 50]
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reqs = [("cold", body("m", "x", 2, vllm=True)), ("warm", body("m", "bad", 2, vllm=True)),
+                ("cold", body("m", "y", 2, vllm=False))]
+        async with server:
+            results, wall = await closed_loop("127.0.0.1", port, reqs, 2)
+        return results, wall, seen
+
+    results, wall, seen = asyncio.run(main())
+    assert [r.kind for r in results] == ["cold", "warm", "cold"]
+    assert results[0].error is None and results[0].tokens == 2 and len(results[0].chunk_s) == 2
+    assert results[1].error.startswith("HTTP 400")
+    assert wall > 0 and len(seen) == 3
+
+
+def test_bodies_ask_for_exact_greedy_streams():
+    b = body("tandem", "p", 128, vllm=False)
+    assert b["min_tokens"] == b["max_tokens"] == 128 and b["temperature"] == 0.0 and b["stream"]
+    assert b["stream_options"] == {"include_usage": True} and "ignore_eos" not in b
+    assert body("tandem", "p", 128, vllm=True)["ignore_eos"] is True
+
+
+def test_levels_alternate_kinds_and_never_reuse_a_prompt():
+    assert kinds(4) == ["cold", "warm", "cold", "warm"]
+    assert requests_per_level(8, 16) == 32 and requests_per_level(8, 1) == 8
+    starts, total = peers.offsets([1, 2, 16], 3, 8)
+    spans = sorted((s, s + requests_per_level(8, c)) for (_, c), s in starts.items())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == total
+
+
+CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx avx2 fma\n\nprocessor\t: 1\n"
+
+
+def test_cpu_flags_decide_the_dtype():
+    info = cpu_info(CPUINFO)
+    assert info["model"] == "AMD EPYC 7B13" and info["flags"] == ["avx2"]
+    assert auto_dtype(info) == "float32"
+    assert auto_dtype(cpu_info(CPUINFO.replace("avx2", "avx2 avx512f avx512_bf16"))) == "bfloat16"
+
+
+def parser():
+    p = argparse.ArgumentParser()
+    peers.add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "1,1"], ["--methods", "eagle"],
+                                  ["--servers", "sglang"], ["--repeats", "0"], ["--dtype", "float16"],
+                                  ["--requests", "-1"], ["--tandem-mode", "prefill"]])
+def test_bad_options_end_the_parse(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_defaults_and_schedule():
+    a = parser().parse_args([])
+    assert a.dtype in ("float32", "bfloat16") and list(a.concurrency) == [1, 2, 4, 8, 16] and a.repeats == 3
+    cfgs = peers.configs(a.servers, a.methods)
+    assert ("vllm", "mtp") not in cfgs and ("tandem", "draft_model") not in cfgs and len(cfgs) == 7
+    assert list(peers.groups(cfgs)) == ["plain", "ngram", "draft"]
+    assert [peers.rotated(["a", "b"], i) for i in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_ratios_are_taken_per_repeat():
+    def runs(values):
+        return {1: [{"output_tok_s": v, "itl_ms_p50": 10.0, "ttft_cold_ms_p50": 100.0} for v in values]}
+    r = {("tandem", "none"): runs([120, 90, 100]), ("vllm", "none"): runs([100, 100, 50]),
+         ("tandem", "mtp"): runs([200, 200, 200]), ("vllm", "ngram"): runs([100, 100, 100]),
+         ("vllm", "draft_model"): runs([50, 50, 50])}
+    comp = peers.comparisons(r, [1])["1"]
+    assert comp["plain"]["output_tok_s"]["runs"] == [1.2, 0.9, 2.0]
+    assert comp["plain"]["output_tok_s"]["median"] == 1.2
+    assert comp["best_speculation"]["vllm"] == "vllm/ngram" and comp["best_speculation"]["output_tok_s"]["median"] == 2.0
+
+
+def test_server_commands():
+    from pathlib import Path
+    cmd = vllm_command(Path("py"), Path("ckpt"), 8123, "float32", "draft_model", 3, Path("draft"))
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec_config("draft_model", 3, Path("draft"))
+    assert "--speculative-config" not in vllm_command(Path("py"), Path("c"), 1, "float32", "none", 3, None)
+    t = tandem_command(Path("ckpt"), 9001, "float32", "mtp", 2, "disaggregated", Path("/tmp/x"))
+    assert t[t.index("--openai-port") + 1] == "9001" and t[t.index("--spec") + 1] == "mtp"
+    with pytest.raises(ValueError):
+        spec_config("mtp", 3, None)
