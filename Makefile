@@ -36,7 +36,8 @@ $(GENAI_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,genai]'
 	@touch $(GENAI_STAMP)
 
-# every benchmark, one after another (about half an hour here); each writes docs/bench/<name>.json + .png
-BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak genai-perf
+# every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png;
+# peers installs vLLM's CPU build into .venv-peers/ on its first run
+BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak genai-perf peers
 bench: $(STAMP) $(GENAI_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done
