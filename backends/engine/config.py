@@ -39,6 +39,12 @@ class EngineConfig:
     # CPU only: decode batches of 1 and 2 through torch.compile (compiled_decode.py);
     # ~10 s of compiling per size on first use
     compile: bool = False
+    # automatic prefix caching (vLLM's name): full pages of computed KV are kept and
+    # shared by later prompts with the same prefix (prefix_caching.py)
+    enable_prefix_caching: bool = True
+    # the serving model's version: part of every cache key, so a rolled version never
+    # reads an older one's KV
+    model_version: str = ""
     dtype_reason: str = field(default="", compare=False)   # why this dtype (set with "auto")
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
+from ..kv_cache.prefix_cache import CachingAllocator
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
 from ..speculative.config import SpeculativeConfig
@@ -20,6 +21,7 @@ from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
+from .prefix_caching import PrefixCaching, model_fingerprint
 from .proposers import (DraftModelProposer, NgramProposer, StepHidden, draft_vocab_ids,
                         load_proposer_model, make_proposer)
 from .request_limits import MAX_LOOKAHEAD_SLOTS, check_context, check_pool_fit, lookahead_slots
@@ -47,6 +49,7 @@ class RequestOutput:
     # distribution it was sampled from), and the sum over all output tokens so far
     new_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
 
 
 def check_pool_fits(pool: KVPagePool, cfg, dtype, config: EngineConfig) -> None:
@@ -90,7 +93,8 @@ class LLMEngine:
             num_pages, self.allocator, self.pool = kv_pool.num_pages, allocator, kv_pool
         else:
             num_pages = config.num_pages_for(cfg)
-            self.allocator = PageAllocator(num_pages)
+            self.allocator = (CachingAllocator(num_pages) if config.enable_prefix_caching
+                              else PageAllocator(num_pages))
             self.pool = KVPagePool.for_model(cfg, num_pages, page_size, dtype, config.kv_layout,
                                              config.device)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
@@ -99,8 +103,10 @@ class LLMEngine:
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
         self.num_lookahead_slots = lookahead_slots(spec)
+        self.prefix = self._make_prefix_caching(spec)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.num_lookahead_slots)
+                                   config.max_num_batched_tokens, self.num_lookahead_slots,
+                                   self.prefix)
         self.decode_graphs: GraphedDecode | CompiledDecode | None = None
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs()
@@ -110,9 +116,24 @@ class LLMEngine:
             if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
                 runner = self.proposer.runner
                 self.proposer.fast_decode = CompiledDecode(runner.model, runner.pool, scratch)
+        self._draft_verified: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+
+    def _make_prefix_caching(self, spec: SpeculativeConfig) -> PrefixCaching | None:
+        """On when configured and the allocator caches (an external pool's may not)."""
+        if not (self.config.enable_prefix_caching and getattr(self.allocator, "caching", False)):
+            return None
+        return PrefixCaching(self.allocator, self.config.page_size,
+                             (model_fingerprint(self.config), self.config.model_version),
+                             lookahead=1 if spec.enabled and spec.method == "mtp" else 0,
+                             proposer_kv=spec.enabled and spec.has_kv)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page (held pages stay with their sequences); returns how
+        many were cached."""
+        return self.prefix.reset() if self.prefix is not None else 0
 
     def make_decode_graphs(self, graphs=None) -> GraphedDecode:
         """Plain decode steps replayed from graphs (CUDA graphs on a GPU; ``graphs``
@@ -264,7 +285,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return []
-        return isolate(plan.seqs, self._step, lambda s, exc: self._fail(s.seq, exc))
+        outputs = isolate(plan.seqs, self._step, lambda s, exc: self._fail(s.seq, exc))
+        if self.prefix is not None:   # after the proposer caught up: its KV is complete too
+            for s in plan.seqs:
+                if not s.seq.is_finished:
+                    self.prefix.publish(s.seq)
+        return outputs
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         # everything that may raise runs before the first commit (isolate retries it)
@@ -319,12 +345,16 @@ class LLMEngine:
                 s.draft = draft
             raise
         outputs, survivors = [], []
+        # a request finishing in this step publishes only the proposer KV that was
+        # right before it drafted (an MTP head's draft rows are rewritten after verifying)
+        self._draft_verified = {s.request_id: d.computed for s, d in zip(seqs, before)}
         for i, s in enumerate(seqs):
             self.spec_metrics.record(accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
             outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist(), logprobs[i]))
             if not s.is_finished:
                 survivors.append(i)
+        self._draft_verified = {}
         hidden = hidden.view(len(seqs), k + 1, -1)
 
         def after_verify(rows: list[int]) -> list[RequestOutput]:
@@ -403,6 +433,11 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = (),
                 error: str | None = None) -> RequestOutput:
+        if self.prefix is not None:
+            if reason in ("stop", "length"):   # its last step's pages, for the next turn
+                self.prefix.publish(seq, self._draft_verified.get(seq.request_id))
+            else:      # cancelled or failed: nothing it alone holds stays cached
+                self.prefix.withdraw(seq)
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         del self.seqs[seq.request_id]
@@ -412,7 +447,8 @@ class LLMEngine:
 
     def _output(self, seq, new_ids, text, reason, error=None) -> RequestOutput:
         out = RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
-                            len(seq.prompt_ids), len(seq.output_ids), error)
+                            len(seq.prompt_ids), len(seq.output_ids), error,
+                            num_cached_tokens=seq.num_cached_tokens or 0)
         if seq.logprobs is not None:
             out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):]
             out.cumulative_logprob = seq.cumulative_logprob

@@ -56,6 +56,9 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
+    # not a sampling setting: prompts share cached KV only under the same salt (vLLM's
+    # cache_salt), so tenants cannot probe each other's prompts through timing
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -106,3 +109,5 @@ class SamplingParams:
                 "number")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", self.logprobs, "true or false")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            bad("cache_salt", self.cache_salt, "a string or None")

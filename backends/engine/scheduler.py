@@ -1,11 +1,13 @@
 """Continuous batching: waiting/running queues, chunked prefill under a per-step token
-budget, admission by free pages, and preemption (recompute) when pages run out."""
+budget, admission by free pages, and preemption (recompute) when pages run out. With
+prefix caching a fresh sequence starts from the cached pages of its prompt's prefix."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv_cache import KVAllocator, pages_needed
+from .prefix_caching import PrefixCaching
 from .sequence import Sequence, SeqStatus
 
 
@@ -37,8 +39,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: KVAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_lookahead_slots: int = 0):
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0,
+                 prefix: PrefixCaching | None = None):
         self.allocator = allocator
+        self.prefix = prefix
         # speculative decoding writes KV for k drafts (and the draft model one token)
         # beyond the scheduled tokens: reserve those slots too
         self.num_lookahead_slots = num_lookahead_slots
@@ -75,9 +79,14 @@ class Scheduler:
         while self.waiting and budget > 0 and not plan.preempted \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self.prefix.match(seq) if self.prefix is not None else None
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed + n + self.num_lookahead_slots):
+                if hit:    # the cached pages go back (still cached) until it fits
+                    self._release(seq)
                 break
+            if hit is not None:
+                self.prefix.admitted(seq, hit)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -43,6 +43,12 @@ class Sequence:
     controls: LogitsControls | None = None   # None: no control changes its logits
     logprobs: list[float] | None = None      # one per output token, with params.logprobs
     cumulative_logprob: float = 0.0
+    # prefix caching (prefix_caching.py): keys of its full pages so far; of its pages,
+    # the first num_matched_pages came from the cache and the first num_published are in it
+    page_keys: list[bytes] = field(default_factory=list)
+    num_matched_pages: int = 0
+    num_published: int = 0
+    num_cached_tokens: int | None = None     # prompt tokens the cache served (first admission)
 
     def append_token(self, token: int, logprob: float | None = None) -> None:
         self.output_ids.append(token)
@@ -67,6 +73,7 @@ class Sequence:
     def drop_kv(self) -> None:
         """Its KV is gone (finished, preempted): nothing is cached, for target or proposer."""
         self.num_computed = 0
+        self.num_matched_pages = self.num_published = 0
         self.draft = DraftState()
 
     @property

@@ -74,6 +74,7 @@ class TritonPythonModel:
 
         s = self.settings
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
+        self.model_version = version     # a key of the engine's prefix cache
         self.engine = self._make_engine(s)
         self.engine.on_fatal = self._engine_failed
         if self.engine.tokenizer is None:
@@ -97,7 +98,7 @@ class TritonPythonModel:
         """The engine this model streams from (the decode model puts it on the shared pool)."""
         from tandem.backends.engine.async_engine import AsyncEngine
 
-        return AsyncEngine(s.model_dir, **s.engine_kwargs())
+        return AsyncEngine(s.model_dir, **s.engine_kwargs(), model_version=self.model_version)
 
     def _engine_failed(self, exc: BaseException) -> None:
         """The engine thread stopped (its open streams already ended UNAVAILABLE): this

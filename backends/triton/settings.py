@@ -119,6 +119,10 @@ class EngineSettings:
                             "differ from the eager engine's at near-ties)")
     enforce_eager: bool = setting(False, "--enforce-eager", "GPU: run decode steps eagerly instead of replaying "
                                   "CUDA graphs")
+    prefix_caching: str = setting("on", "--prefix-caching", choices=("on", "off"), help=(
+        "automatic prefix caching: full KV pages a prompt computed are kept and reused by later prompts with the "
+        "same prefix (chat turns, system prompts); a request's cache_salt keeps its prefixes to itself "
+        "(default: %(default)s)"))
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -249,7 +253,8 @@ class EngineSettings:
         return dict(dtype=self.dtype, page_size=self.page_size, kv_layout=self.kv_layout,
                     num_pages=self.engine_num_pages, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    speculative=self.speculative(), compile=self.compile,
+                    speculative=self.speculative(), enable_prefix_caching=self.prefix_caching == "on",
+                    compile=self.compile,
                     enforce_eager=self.enforce_eager)
 
 

@@ -1,0 +1,105 @@
+"""The engine's side of automatic prefix caching: which keys a sequence's pages have,
+what it takes from the cache when admitted, what it publishes after a step.
+
+A sequence admitted with nothing computed takes the longest cached chain of its full
+pages, stopping short of its last token (whose logits start decoding, so it is always
+recomputed); it starts computing at the first page it lacks, so it never writes into
+a page it shares. After a step it publishes each page whose KV is complete — the
+target's and, with a draft model or MTP head, the proposer's too (same page ids, its
+own pool): a hit then speculates from its first step. An MTP head's row ``i`` reads
+token ``i + 1``, so a page's key includes the token after it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..kv_cache.page_hash import page_keys, root_key
+from ..kv_cache.prefix_cache import CachingAllocator
+from .config import EngineConfig
+from .sequence import Sequence
+
+
+def checkpoint_fingerprint(model_dir: str | os.PathLike) -> str:
+    """Identifies a checkpoint's weights cheaply: its path, config and the size and
+    modification time of every weight file (a rewritten checkpoint gets a new one)."""
+    d = Path(model_dir).resolve()
+    h = hashlib.blake2b(str(d).encode(), digest_size=16)
+    for f in sorted(d.glob("*.json")) + sorted(d.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(config: EngineConfig) -> tuple:
+    """What the KV of a token depends on besides the tokens: the target, its dtype, the
+    proposer whose KV is cached alongside."""
+    spec = config.speculative
+    proposer = None
+    if spec is not None and spec.has_kv:
+        path = spec.draft_model if spec.method == "draft_target" else spec.mtp_head
+        proposer = (spec.method, checkpoint_fingerprint(path))
+    return (checkpoint_fingerprint(config.model_dir), config.dtype, proposer)
+
+
+@dataclass(slots=True)
+class PrefixCaching:
+    """Prefix caching on ``allocator`` for sequences of one engine; ``extra_keys`` (the
+    model fingerprint and version) start every key chain, with the request's salt."""
+    allocator: CachingAllocator
+    page_size: int
+    extra_keys: tuple
+    lookahead: int = 0          # tokens after a page its KV depends on (MTP: 1)
+    proposer_kv: bool = False   # a draft model's or MTP head's KV is cached too
+
+    def _keys(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        if len(seq.page_keys) < num_pages:
+            end = min(seq.num_tokens, num_pages * self.page_size + self.lookahead)
+            seq.page_keys = page_keys(seq.token_ids(0, end), self.page_size,
+                                      root_key(*self.extra_keys, seq.params.cache_salt),
+                                      seq.page_keys, self.lookahead)
+        return seq.page_keys[:num_pages]
+
+    def match(self, seq: Sequence) -> int | None:
+        """Give a fresh ``seq`` the cached pages of its longest cached prefix; returns
+        the tokens it need not compute (None: not fresh, its KV is there already)."""
+        if seq.pages or seq.num_computed:
+            return None
+        pages = self.allocator.match(self._keys(seq, (seq.num_tokens - 1) // self.page_size))
+        if pages:
+            seq.pages = pages
+            seq.num_computed = seq.draft.computed = len(pages) * self.page_size
+            seq.num_matched_pages = seq.num_published = len(pages)
+        return len(pages) * self.page_size
+
+    def admitted(self, seq: Sequence, hit_tokens: int) -> None:
+        """``seq`` was admitted with ``hit_tokens`` from the cache: count the lookup."""
+        stats = self.allocator.stats
+        stats.queried_pages += (seq.num_tokens - 1) // self.page_size
+        stats.hit_pages += hit_tokens // self.page_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = hit_tokens
+
+    def publish(self, seq: Sequence, proposer_done: int | None = None) -> None:
+        """Publish ``seq``'s pages whose KV (target and proposer) is now complete;
+        ``proposer_done``: how far the proposer's KV is right, when not
+        ``seq.draft.computed`` (in the middle of a speculative step)."""
+        done = seq.num_computed
+        if self.proposer_kv:
+            done = min(done, seq.draft.computed if proposer_done is None else proposer_done)
+        n = min(done, seq.num_tokens - self.lookahead) // self.page_size
+        if n <= seq.num_published:
+            return
+        for p, key in enumerate(self._keys(seq, n)[seq.num_published:], seq.num_published):
+            self.allocator.publish(seq.pages[p], key)
+        seq.num_published = n
+
+    def withdraw(self, seq: Sequence) -> None:
+        """``seq`` failed or was cancelled: what it published that nobody else holds
+        leaves the cache (pages another request shares stay)."""
+        self.allocator.withdraw(seq.pages[seq.num_matched_pages:seq.num_published])
+
+    def reset(self) -> int:
+        return self.allocator.reset()
