@@ -4,7 +4,12 @@ A stream is cancelled in one of two ways:
 
 - its own Triton request reports ``is_cancelled()`` (the client called the model
   directly): a watcher thread polls the open requests, and only while there are
-  any, so an idle instance uses no CPU;
+  any, so an idle instance uses no CPU. A step of a text ensemble is not polled
+  (``poll=False``): Triton 2.51 cancels an ensemble step only when it schedules it
+  (``EnsembleContext::ScheduleSteps``), never one in flight, so the poll — a round trip
+  to the server per stream every ``cancel_poll_ms`` — could only ever answer no; a
+  cancellation before the step began reaches the step after it, postprocess, with
+  the first reply;
 - postprocess reports its cancel token (the client cancelled an ensemble, which
   Triton does not pass on to the step in flight; see :mod:`.cancel_channel`):
   :meth:`InFlight.cancel` by the stream's key, with ``notify=False``.
@@ -35,6 +40,7 @@ from .response_stream import ResponseStream
 class _Entry:
     request: object             # the Triton request (``is_cancelled()``)
     stream: ResponseStream
+    poll: bool = True           # ask ``is_cancelled()`` (False: postprocess carries the cancel)
     rids: dict = field(default_factory=dict)   # sequence index -> the engine's request id
     all_submitted: bool = False
     cancelled: bool = False
@@ -50,10 +56,11 @@ class InFlight:
         self._thread = threading.Thread(target=self._watch, name="tandem-cancel-watch", daemon=True)
         self._thread.start()
 
-    def add(self, key: str, request, stream: ResponseStream) -> None:
-        """Register a stream before its request is submitted."""
+    def add(self, key: str, request, stream: ResponseStream, poll: bool = True) -> None:
+        """Register a stream before its request is submitted; ``poll`` False: never ask its
+        request ``is_cancelled()`` (an ensemble step: cancelled through :meth:`cancel`)."""
         with self._cv:
-            self._entries[key] = _Entry(request, stream)
+            self._entries[key] = _Entry(request, stream, poll)
 
     def started(self, key: str, rid: str, index: int = 0) -> None:
         """The engine accepted sequence ``index`` of the stream as ``rid``; aborted at
@@ -129,11 +136,11 @@ class InFlight:
         # A method of its own so that no request object stays referenced from
         # this thread's locals while it sleeps.
         with self._cv:
-            snapshot = [(key, e.request, e.stream) for key, e in self._entries.items()]
-        for key, request, stream in snapshot:
+            snapshot = [(key, e.request, e.stream, e.poll) for key, e in self._entries.items()]
+        for key, request, stream, poll in snapshot:
             if stream.closed:
                 self.ended(key)
-            elif stream.client_cancelled(request.is_cancelled):
+            elif poll and stream.client_cancelled(request.is_cancelled):
                 self.cancel(key)
 
     def close(self, message: str) -> None:

@@ -141,7 +141,8 @@ class TritonPythonModel:
         # for the ensemble's postprocess step, on every reply
         relay = {CANCEL_TOKEN: string_array(token),
                  PROMPT_ECHO: string_array(b"" if echo is None else bytes(echo))}
-        stream = ResponseStream(parsed, self.replies.outbox(lambda reply: _send(sender, reply)).put, relay)
+        names = reply_names(parsed, echo)
+        stream = ResponseStream(parsed, self.replies.outbox(lambda reply: _send(sender, reply, names)).put, relay)
         in_flight, metrics = self.in_flight, self.metrics
 
         def on_output(out, index: int, clock) -> None:  # engine thread
@@ -155,7 +156,9 @@ class TritonPythonModel:
             if stream.closed:
                 in_flight.ended(key)
 
-        in_flight.add(key, request, stream)  # before submit: the first reply already carries the token
+        # before submit: the first reply already carries the token. Only the text ensembles
+        # send prompt_echo; their postprocess carries the client's cancel (in_flight)
+        in_flight.add(key, request, stream, poll=echo is None)
         try:
             for index in range(parsed.num_return_sequences):
                 if index and stream.closed:     # a sibling failed, or the client cancelled
@@ -222,13 +225,34 @@ def _error_code(code: str):
     return getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
 
 
-def _send(sender, reply: Reply) -> None:
+REPLY_NAMES = (*ENGINE_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO)
+
+
+def reply_names(parsed, echo) -> tuple[str, ...]:
+    """The outputs each reply of a stream carries. A client of this model gets every
+    declared one. A text ensemble's step (preprocess sent ``prompt_echo``) feeds only
+    postprocess, which reads absent log probs, sequence index and echo as none, 0 and
+    "": those are left out when they would say just that (every tensor is copied four
+    times between here and the ensemble's response)."""
+    if echo is None:
+        return REPLY_NAMES
+    skip = set()
+    if not bytes(echo):
+        skip.add(PROMPT_ECHO)
+    if not parsed.return_log_probs:
+        skip |= {"cum_log_probs", "output_log_probs"}
+    if parsed.num_return_sequences == 1:
+        skip.add("sequence_index")
+    return tuple(n for n in REPLY_NAMES if n not in skip)
+
+
+def _send(sender, reply: Reply, names: tuple[str, ...] = REPLY_NAMES) -> None:
+    outputs = reply.outputs
     if reply.error is not None:
         response = pb_utils.InferenceResponse(error=pb_utils.TritonError(reply.error, _error_code(reply.code)))
-    elif reply.outputs is not None:
+    elif outputs is not None:
         response = pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, reply.outputs[name])
-                            for name in (*ENGINE_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO) if name in reply.outputs])
+            output_tensors=[pb_utils.Tensor(name, outputs[name]) for name in names if name in outputs])
     else:
         response = None
     try:

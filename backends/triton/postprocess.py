@@ -63,6 +63,43 @@ def ensemble_outputs(get: GetInput) -> dict[str, np.ndarray]:
     return ensemble_arrays(reply, with_ids=ids is not None)
 
 
+class CancelChecks:
+    """Whether postprocess asks Triton about a reply's cancellation: at most once per
+    ``interval_s`` per stream (its cancel token). Each ask is a round trip from the stub
+    to the server; a stream's replies come every few milliseconds, and a cancellation
+    is still seen by the first reply after the interval (the first reply of a stream is
+    always asked). ``None`` (no token) is always asked.
+
+    >>> t = [0.0]
+    >>> checks = CancelChecks(0.05, now=lambda: t[0])
+    >>> checks.due(b"a"), checks.due(b"a"), checks.due(b"b")
+    (True, False, True)
+    >>> t[0] = 0.06
+    >>> checks.due(b"a")
+    True
+    """
+
+    def __init__(self, interval_s: float = 0.05, now=None, max_streams: int = 4096):
+        import time
+        self.interval_s = interval_s
+        self._now = now or time.monotonic
+        self._max = max_streams
+        self._last: dict[bytes, float] = {}
+
+    def due(self, token: bytes | None) -> bool:
+        if token is None or self.interval_s <= 0:
+            return True
+        now = self._now()
+        last = self._last.get(token)
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last[token] = now
+        if len(self._last) > self._max:   # ended streams: forget the least recently asked
+            for old in sorted(self._last, key=self._last.get)[:len(self._last) // 2]:
+                del self._last[old]
+        return True
+
+
 def _required(get: GetInput, name: str):
     value = scalar(get, name)
     if value is None:

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Callable
 
-from .response_arrays import SequenceReply
+from .response_arrays import SequenceReply  # noqa: F401 - the doctests' and what Reply carries
 from .response_stream import Reply
 
 
@@ -51,11 +52,10 @@ def merge(first: Reply, then: Reply) -> Reply | None:
     if (s is None or t is None or first.final or s.finish_reason is not None
             or s.sequence_index != t.sequence_index or first.relay is not then.relay):
         return None
-    return Reply(sequence=SequenceReply(
-        token_ids=s.token_ids + t.token_ids, text=s.text + t.text, finish_reason=t.finish_reason,
-        num_input_tokens=t.num_input_tokens, num_output_tokens=t.num_output_tokens,
-        sequence_index=t.sequence_index, log_probs=s.log_probs + t.log_probs, cum_log_prob=t.cum_log_prob),
-        relay=then.relay, final=then.final)
+    # the later reply's counts, finish reason and every other field; the tokens of both
+    return Reply(sequence=replace(t, token_ids=s.token_ids + t.token_ids, text=s.text + t.text,
+                                  log_probs=s.log_probs + t.log_probs),
+                 relay=then.relay, final=then.final)
 
 
 class Outbox:

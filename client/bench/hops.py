@@ -1,20 +1,23 @@
 """Where a token's CPU goes between the engine and the client: CPU µs per generated token
 in each process on the serving path.
 
-One server (``tandem serve --mode disaggregated`` as a library) serves a fixed run:
-``--rounds`` rounds of ``--streams`` concurrent greedy streams of exactly ``--tokens``
-tokens each (``min_tokens`` = ``max_tokens``), first through Triton's gRPC stream straight
-to the ``tandem`` ensemble (this process is the gRPC client), then through the OpenAI API
-(the frontend in a process of its own, fed by a plain HTTP/SSE client here). Before and
-after each path's run, every process's CPU time (user + system, ``/proc/<pid>/stat``) is
-read: tritonserver, each Python backend stub by model, the frontend and the load
-generator; the difference over the tokens received is the hop's cost. A warm-up round
-before each path is not counted. Also reported: responses per token (coalescing shows
-as fewer than 1) and the run's output tok/s (wall time: other load on the machine moves
-it, CPU time much less).
+A server (``tandem serve --mode disaggregated`` as a library) serves a fixed run:
+``--repeats`` rounds of ``--streams`` concurrent greedy streams of exactly ``--tokens``
+tokens each (``min_tokens`` = ``max_tokens``), through Triton's gRPC stream straight to
+the ``tandem`` ensemble (the load generator is the gRPC client) and through the OpenAI
+API (the frontend in a process of its own, fed by a plain HTTP/SSE client). Around each
+round every process's CPU time (user + system, ``/proc/<pid>/stat``) is read:
+tritonserver, each Python backend stub by model, the frontend and the load generator;
+the difference over the tokens received is the hop's cost. A warm-up round per path
+is not counted. Also reported: responses per token (coalescing shows as fewer than 1)
+and output tok/s (wall time: other load on the machine moves it).
 
-``--label`` names the run in ``--out`` (other labels already there are kept), so a
-"before" and an "after" run of the same command sit side by side.
+CPU time per token moves with the machine's other load too (a busy shared host
+inflates it by tens of percent), so ``--compare REV[,REV2]`` measures the code of git
+revision ``REV`` and this tree (or ``REV2``) side by side in one run: each in its own
+server and worker process (a revision's packages from ``git archive``, put first on
+``PYTHONPATH``), their rounds interleaved (A B, B A, ...), medians with min–max over
+the rounds.
 """
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--streams", type=positive_int, default=8, help="concurrent streams per round")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens per stream")
-    p.add_argument("--rounds", type=positive_int, default=3, help="measured rounds per path")
+    p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per path and version")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of: {', '.join(PATHS)}")
-    p.add_argument("--label", default="run", help="the run's name in --out (e.g. before, after)")
+    p.add_argument("--compare", default="", metavar="REV[,REV2]",
+                   help="measure git revision REV's code against this tree's (or REV2's), rounds interleaved")
+    p.add_argument("--label", default="run", help="the run's name in --out (other names there are kept)")
     add_dtype(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
@@ -179,67 +184,183 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- one path -----------------------------------------------------------------------------
-def measure(name: str, round_fn, procs: dict[str, int], rounds: int) -> dict:
-    round_fn()   # warm-up: not counted
+# -- one version of the code: a worker process with its server -------------------------
+class Worker:
+    """Serves one version of the code: its own server and frontend, one measured round
+    per command on stdin (``grpc`` / ``openai``), one JSON line of CPU deltas back."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def serve(self) -> int:
+        from contextlib import ExitStack
+
+        from tandem.client.serve.options import ServeOptions
+
+        args = self.args
+        prompts = prompt_texts(args.model, [args.prompt_tokens] * args.streams)
+        with work_dir("tandem-hops-") as work, ExitStack() as stack:
+            options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, mode="disaggregated",
+                                      max_num_seqs=max(8, args.streams))
+            server = start_server(stack, options, work / "server", attempts=2, log_file=work / "server.log")
+            port = free_port()
+            frontend = start_frontend(server.grpc_url, args.model, port)
+            stack.callback(lambda: (frontend.stdin.close(), frontend.wait(30)))
+            procs = processes(server, frontend.pid)
+            rounds = {"grpc": lambda: grpc_round(server.grpc_url, prompts, args.tokens),
+                      "openai": lambda: openai_round("127.0.0.1", port, prompts, args.tokens)}
+            for name in args.paths.split(","):
+                rounds[name]()   # warm-up: not counted
+            print(json.dumps({"ready": True}), flush=True)
+            for line in sys.stdin:
+                name = line.strip()
+                if name not in rounds:
+                    break
+                print(json.dumps(measure_round(rounds[name], procs)), flush=True)
+        return 0
+
+
+def measure_round(round_fn, procs: dict[str, int]) -> dict:
     before = {hop: cpu_s(pid) for hop, pid in procs.items()}
     t0 = time.monotonic()
-    tokens = responses = 0
-    for _ in range(rounds):
-        n, r = round_fn()
-        tokens, responses = tokens + n, responses + r
+    tokens, responses = round_fn()
     wall = time.monotonic() - t0
     cpu = {hop: cpu_s(pid) - before[hop] for hop, pid in procs.items()}
-    us = {hop: round(1e6 * s / tokens, 1) for hop, s in cpu.items()}
-    serving = [h for h in us if h not in ("stub:decode", "stub:prefill", "stub:kv_transfer", "load generator")]
-    return {"path": name, "tokens": tokens, "responses": responses,
-            "responses_per_token": round(responses / tokens, 3), "wall_s": round(wall, 2),
-            "output_tok_s": round(tokens / wall, 1), "cpu_us_per_token": us,
-            "serving_hops_us_per_token": round(sum(us[h] for h in serving), 1)}
+    # the frontend idles through a gRPC round: not a hop of that path
+    return {"tokens": tokens, "responses": responses, "wall_s": wall, "cpu_s": cpu}
 
 
-def table(results: list[dict]) -> str:
-    hops = sorted({h for r in results for h in r["cpu_us_per_token"]},
-                  key=lambda h: (h != "stub:decode", h.startswith("load"), h))
-    lines = [f"{'CPU µs per token':<26}" + "".join(f"{r['path']:>12}" for r in results)]
+def start_worker(args, pythonpath: Path | None) -> subprocess.Popen:
+    """This file as a worker, importing ``tandem`` from ``pythonpath`` when given."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--streams", str(args.streams),
+           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--paths", args.paths,
+           "--dtype", args.dtype]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def read_line(worker: subprocess.Popen) -> dict:
+    while True:
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a worker ended (exit status {worker.wait()})")
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def revision_tree(rev: str, work: Path) -> Path:
+    """A directory to put first on ``PYTHONPATH`` so that ``tandem`` is revision ``rev``'s
+    (its backends, client and rdma packages and model repository, from ``git archive``)."""
+    from tandem.client.paths import REPO_ROOT
+
+    src = work / "rev"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", rev, "backends", "client", "rdma",
+                              "model_repository"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    shim = work / "shim" / "tandem"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")
+    for pkg in ("backends", "client", "rdma"):
+        (shim / pkg).symlink_to(src / pkg)
+    return shim.parent
+
+
+# -- the run ------------------------------------------------------------------------------
+def summarize(rounds: list[dict]) -> dict:
+    """Per hop: the median over the rounds of CPU µs per token, with min and max."""
+    import statistics
+
+    hops = sorted({h for r in rounds for h in r["cpu_s"]})
+    per = {h: [1e6 * r["cpu_s"].get(h, 0.0) / r["tokens"] for r in rounds] for h in hops}
+    tokens = sum(r["tokens"] for r in rounds)
+    return {"rounds": len(rounds), "tokens": tokens,
+            "cpu_us_per_token": {h: round(statistics.median(v), 1) for h, v in per.items()},
+            "cpu_us_per_token_min_max": {h: [round(min(v), 1), round(max(v), 1)] for h, v in per.items()},
+            "responses_per_token": round(sum(r["responses"] for r in rounds) / tokens, 3),
+            "output_tok_s": round(statistics.median(r["tokens"] / r["wall_s"] for r in rounds), 1)}
+
+
+ENGINE = ("stub:decode", "stub:prefill", "stub:kv_transfer", "stub:preprocess", "load generator")
+# each path's hops (the frontend only on the OpenAI path; the load generator is the
+# gRPC client on the gRPC path, the HTTP client on the other)
+def serving_hops(path: str, cpu: dict[str, float]) -> float:
+    hops = [h for h in cpu if h not in ENGINE and (path == "openai" or h != "frontend")]
+    if path == "grpc":
+        hops.append("load generator")
+    return round(sum(cpu[h] for h in hops), 1)
+
+
+def table(results: dict) -> str:
+    """Rows: hops; columns: path x version."""
+    cols = [(path, version) for path in results for version in results[path]]
+    hops = sorted({h for path, v in cols for h in results[path][v]["cpu_us_per_token"]},
+                  key=lambda h: (h != "stub:decode", h == "load generator", h))
+    head = f"{'CPU µs per token':<24}" + "".join(f"{path + ' ' + v:>22}" for path, v in cols)
+    lines = [head]
     for h in hops:
-        lines.append(f"{h:<26}" + "".join(f"{r['cpu_us_per_token'].get(h, 0.0):>12.1f}" for r in results))
-    for key, what in (("serving_hops_us_per_token", "serving hops (no engine)"),
-                      ("responses_per_token", "responses per token"), ("output_tok_s", "output tok/s (wall)")):
-        lines.append(f"{what:<26}" + "".join(f"{r[key]:>12}" for r in results))
+        if h == "frontend" and all(path == "grpc" for path, _ in cols):
+            continue
+        cells = []
+        for path, v in cols:
+            r = results[path][v]
+            if h == "frontend" and path == "grpc":
+                cells.append(f"{'-':>22}")
+                continue
+            lo, hi = r["cpu_us_per_token_min_max"][h]
+            cells.append(f"{r['cpu_us_per_token'][h]:>10.1f} ({lo:.0f}-{hi:.0f})".rjust(22))
+        lines.append(f"{h:<24}" + "".join(cells))
+    lines.append(f"{'serving hops':<24}" + "".join(
+        f"{serving_hops(path, results[path][v]['cpu_us_per_token']):>22.1f}" for path, v in cols))
+    for key, what in (("responses_per_token", "responses per token"), ("output_tok_s", "output tok/s (wall)")):
+        lines.append(f"{what:<24}" + "".join(f"{results[path][v][key]:>22}" for path, v in cols))
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from tandem.client.serve.options import ServeOptions
-
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)
-    if unknown:
-        print(f"--paths: {', '.join(sorted(unknown))}; allowed: {', '.join(PATHS)}", file=sys.stderr)
+    if unknown or not paths:
+        print(f"--paths: {args.paths!r}; allowed: a comma-separated list of {', '.join(PATHS)}", file=sys.stderr)
         return 2
-    prompts = prompt_texts(args.model, [args.prompt_tokens] * args.streams)
-    print(f"hops: {args.streams} streams x {args.tokens} tokens, {args.rounds} rounds, {args.dtype}", flush=True)
-    results = []
-    with work_dir("tandem-hops-") as work, ExitStack() as stack:
-        options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, mode="disaggregated",
-                                  max_num_seqs=max(8, args.streams))
-        server = start_server(stack, options, work / "server", attempts=2, log_file=work / "server.log")
-        if "grpc" in paths:
-            procs = processes(server, None)
-            results.append(measure("grpc", lambda: grpc_round(server.grpc_url, prompts, args.tokens),
-                                   procs, args.rounds))
-        if "openai" in paths:
-            port = free_port()
-            frontend = start_frontend(server.grpc_url, args.model, port)
-            stack.callback(lambda: (frontend.stdin.close(), frontend.wait(30)))
-            procs = processes(server, frontend.pid)
-            results.append(measure("openai", lambda: openai_round("127.0.0.1", port, prompts, args.tokens),
-                                   procs, args.rounds))
+    print(f"hops: {args.streams} streams x {args.tokens} tokens, {args.repeats} rounds per path and version, "
+          f"{args.dtype}", flush=True)
+    with work_dir("tandem-hops-run-") as work, ExitStack() as stack:
+        revs = [r for r in args.compare.split(",") if r]
+        versions = {rev: revision_tree(rev, work / f"v{i}") for i, rev in enumerate(revs)}
+        if len(revs) < 2:
+            versions["this tree"] = None
+        workers = {}
+        for name, pythonpath in versions.items():   # started together: they load side by side
+            workers[name] = start_worker(args, pythonpath)
+            stack.callback(lambda w=workers[name]: (w.stdin.close(), w.wait(120)))
+        for name, w in workers.items():
+            read_line(w)   # ready
+            print(f"  {name}: ready", flush=True)
+        rounds = {path: {name: [] for name in workers} for path in paths}
+        for i in range(args.repeats):
+            order = list(workers) if i % 2 == 0 else list(workers)[::-1]
+            for path in paths:
+                for name in order:
+                    workers[name].stdin.write(path + "\n")
+                    workers[name].stdin.flush()
+                    rounds[path][name].append(read_line(workers[name]))
+            print(f"  round {i + 1}/{args.repeats} done", flush=True)
+    results = {path: {name: summarize(rs) for name, rs in by.items()} for path, by in rounds.items()}
     print(table(results))
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
-    previous[args.label] = {**header("hops", args), "results": results}
+    previous[args.label] = {**header("hops", args), "streams": args.streams, "tokens": args.tokens,
+                            "results": results}
     write(previous, args.out)
     return 0
+
+
+if __name__ == "__main__":   # a worker (start_worker)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--worker", action="store_true")
+    sys.exit(Worker(parser.parse_args()).serve())

@@ -417,3 +417,43 @@ def test_the_frontend_serves_in_a_thread_and_stops_and_refuses_a_taken_port():
     assert not api.is_running()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0                       # nothing listens any more
+
+
+# ---- the ensemble's responses off the wire ---------------------------------------------------
+def _wire_response(tensors: dict[str, np.ndarray], final: bool = False):
+    """A gRPC ModelInferResponse as tritonserver sends it (raw_output_contents)."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    r = service_pb2.ModelInferResponse(model_name="tandem", id="x")
+    for name, arr in tensors.items():
+        out = r.outputs.add()
+        out.name, out.datatype = name, np_to_triton_dtype(arr.dtype)
+        out.shape.extend(arr.shape)
+        r.raw_output_contents.append(serialize_byte_tensor(arr).item() if arr.dtype == np.object_
+                                     else arr.tobytes())
+    if final:
+        r.parameters["triton_final_response"].bool_param = True
+    return r
+
+
+@pytest.mark.parametrize("text_shape", [(1,), (1, 1)])
+def test_a_response_is_read_off_its_raw_tensors(text_shape):
+    from tritonclient.grpc import InferResult
+
+    from tandem.client.openai.triton_backend import parse_result
+    tensors = {"text_output": np.array(["é x".encode()], dtype=np.object_).reshape(text_shape),
+               "finish_reason": np.array([[b"length"]], dtype=np.object_),
+               "num_input_tokens": np.array([[7]], dtype=np.uint32),
+               "num_output_tokens": np.array([[300]], dtype=np.uint32),
+               "output_ids": np.array([[4, 70000]], dtype=np.int32),
+               "output_log_probs": np.array([[[-0.5, -1.25]]], dtype=np.float32)}
+    result = InferResult(_wire_response(tensors, final=True))
+    assert result.as_numpy("text_output").reshape(-1)[0].decode() == "é x"   # what tritonclient reads
+    assert parse_result(result) == EnsembleResponse(text="é x", finish_reason="length", num_input_tokens=7,
+                                             num_output_tokens=300, final=True, output_ids=[4, 70000],
+                                             log_probs=[-0.5, -1.25])
+    empty = {"text_output": np.array([b""], dtype=np.object_), "finish_reason": np.array([[b""]], dtype=np.object_),
+             "num_input_tokens": np.array([[1]], dtype=np.uint32), "num_output_tokens": np.array([[1]], dtype=np.uint32)}
+    assert parse_result(InferResult(_wire_response(empty))) == EnsembleResponse(num_input_tokens=1,
+                                                                                 num_output_tokens=1)

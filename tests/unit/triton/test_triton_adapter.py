@@ -623,6 +623,46 @@ def test_the_pump_delivers_every_reply_once_in_order_whatever_the_timing(seed):
     assert pump.sent <= pump.replies == sum(lengths.values())
 
 
+def test_an_ensemble_step_is_not_polled_for_cancellation(model):
+    """Triton never cancels an ensemble step in flight: a text ensemble's step (it carries
+    prompt_echo) is not asked is_cancelled(); a direct client's request is."""
+    asked = {"ensemble": 0, "direct": 0}
+    requests = {"ensemble": token_request(stream=True, max_tokens=50, prompt_echo=""),
+                "direct": token_request(stream=True, max_tokens=50)}
+    for kind, request in requests.items():
+        request.is_cancelled = lambda kind=kind: asked.__setitem__(kind, asked[kind] + 1) or False
+        model.execute([request])
+    wait_for(lambda: asked["direct"] >= 3)
+    assert asked["ensemble"] == 0
+
+
+@pytest.mark.parametrize("extra", [{}, {"return_log_probs": True}, {"num_return_sequences": 2},
+                                   {"stream": False, "prompt_echo": "p:"}])
+def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, extra):
+    """In a text ensemble (prompt_echo sent) a reply carries no empty echo, no log probs
+    unless asked, no sequence index with one sample; postprocess answers the same."""
+    from tandem.backends.triton.postprocess import ensemble_outputs
+    from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES
+
+    engine = FakeEngine.instances[-1]
+    flags = {"stream": True, "prompt_echo": "", **extra}
+    lean, full = token_request(**flags), token_request(**{k: v for k, v in flags.items() if k != "prompt_echo"})
+    for request in (lean, full):
+        model.execute([request])
+        for i in range(len(engine.submitted) - flags.get("num_return_sequences", 1), len(engine.submitted)):
+            engine.emit(i, [" a", " b"], logprobs=[-0.5, -1.0] if "return_log_probs" in extra else None)
+    left_out = {"prompt_echo"} if not flags["prompt_echo"] else set()
+    left_out |= {"cum_log_probs", "output_log_probs"} if "return_log_probs" not in extra else set()
+    left_out |= {"sequence_index"} if "num_return_sequences" not in extra else set()
+    for (a, _), (b, _) in zip(outputs(lean.sender), outputs(full.sender), strict=True):
+        assert set(a) == (set(ENGINE_OUTPUT_NAMES) | {"cancel_token", "prompt_echo"}) - left_out
+        b = {**b, "prompt_echo": np.array([[flags["prompt_echo"].encode()]], dtype=object)}
+        a_out, b_out = ensemble_outputs(a.get), ensemble_outputs(b.get)
+        assert a_out.keys() == b_out.keys()
+        for name in a_out:
+            assert a_out[name].tolist() == b_out[name].tolist(), name
+
+
 def test_finished_requests_are_not_polled(model):
     engine = FakeEngine.instances[-1]
     request = token_request()
@@ -832,13 +872,15 @@ def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(mod
     assert out["prompt_echo"][0, 0] == b"x: "      # relayed unread
 
     post = Postprocess()
-    step = Request(**{k: out[k] for k in ("text_output", "finish_reason", "num_input_tokens",
-                                          "num_output_tokens", "cum_log_probs", "output_log_probs",
-                                          "sequence_index", "cancel_token", "prompt_echo")})
+    post.initialize({})
+    step = Request(**{k: v for k, v in out.items() if k != "output_ids"})   # tandem maps no output_ids
     (response,) = post.execute([step])
     assert response.error is None and response.outputs["text_output"][0] == b"x:  a"
 
     step.cancelled = True            # the ensemble's client cancelled
+    (response,) = post.execute([step])
+    assert engine.aborted == []      # asked once per interval per stream: not yet
+    time.sleep(post.cancel_checks.interval_s)
     (response,) = post.execute([step])
     # answered normally: a failing step while decode streams would leak the ensemble request
     assert response.error is None
