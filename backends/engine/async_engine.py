@@ -66,6 +66,13 @@ class AsyncEngine:
         return self.engine.spec_metrics if self.engine.proposer is not None else None
 
     @property
+    def prefix_cache(self):
+        """The prefix cache's counters (a ``PrefixCacheStats``); None when it is off."""
+        from .prefix_caching import PrefixCacheStats
+        prefix = self.engine.prefix
+        return None if prefix is None else PrefixCacheStats.of(prefix)
+
+    @property
     def kv_pages(self) -> tuple[int, int]:
         """(free, used) pages of the engine's KV allocator."""
         allocator = self.engine.allocator

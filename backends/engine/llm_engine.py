@@ -22,6 +22,7 @@ from .logits_processors import LogitsControls, apply_controls, bad_words_token_i
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .prefix_caching import PrefixCaching, model_fingerprint
+from .request_perf import RequestPerf
 from .proposers import (DraftModelProposer, NgramProposer, StepHidden, draft_vocab_ids,
                         load_proposer_model, make_proposer)
 from .request_limits import MAX_LOOKAHEAD_SLOTS, check_context, check_pool_fit, lookahead_slots
@@ -50,6 +51,7 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
+    perf: RequestPerf | None = None  # what return_perf_metrics reports, so far
 
 
 def check_pool_fits(pool: KVPagePool, cfg, dtype, config: EngineConfig) -> None:
@@ -350,6 +352,7 @@ class LLMEngine:
         self._draft_verified = {s.request_id: d.computed for s, d in zip(seqs, before)}
         for i, s in enumerate(seqs):
             self.spec_metrics.record(accepted[i])
+            s.record_drafts(k, accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
             outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist(), logprobs[i]))
             if not s.is_finished:
@@ -448,7 +451,8 @@ class LLMEngine:
     def _output(self, seq, new_ids, text, reason, error=None) -> RequestOutput:
         out = RequestOutput(seq.request_id, new_ids, text, reason is not None, reason,
                             len(seq.prompt_ids), len(seq.output_ids), error,
-                            num_cached_tokens=seq.num_cached_tokens or 0)
+                            num_cached_tokens=seq.num_cached_tokens or 0,
+                            perf=seq.perf(self.config.page_size))
         if seq.logprobs is not None:
             out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):]
             out.cumulative_logprob = seq.cumulative_logprob

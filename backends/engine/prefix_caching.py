@@ -103,3 +103,22 @@ class PrefixCaching:
 
     def reset(self) -> int:
         return self.allocator.reset()
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixCacheStats:
+    """The prefix cache since start, in tokens where vLLM counts tokens."""
+    queried_tokens: int
+    hit_tokens: int
+    cached_pages: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @classmethod
+    def of(cls, prefix: PrefixCaching) -> "PrefixCacheStats":
+        s, a = prefix.allocator.stats, prefix.allocator
+        return cls(s.queried_pages * prefix.page_size, s.hit_pages * prefix.page_size, a.num_cached,
+                   s.evictions)

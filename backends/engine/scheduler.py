@@ -3,6 +3,7 @@ budget, admission by free pages, and preemption (recompute) when pages run out. 
 prefix caching a fresh sequence starts from the cached pages of its prompt's prefix."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class Scheduler:
                 break
             if hit is not None:
                 self.prefix.admitted(seq, hit)
+            if not seq.first_scheduled_ns:
+                seq.first_scheduled_ns = time.time_ns()
+                seq.num_first_pages = seq.num_allocated_pages
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -112,6 +116,7 @@ class Scheduler:
         pages = self.allocator.try_alloc(need)
         if pages is None:
             return False
+        seq.num_allocated_pages += len(pages)
         seq.pages.extend(pages)
         return True
 

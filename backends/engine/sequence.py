@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .logits_processors import LogitsControls
 from .params import SamplingParams
+from .request_perf import RequestPerf
 
 
 class SeqStatus(enum.Enum):
@@ -49,8 +51,20 @@ class Sequence:
     num_matched_pages: int = 0
     num_published: int = 0
     num_cached_tokens: int | None = None     # prompt tokens the cache served (first admission)
+    # what return_perf_metrics reports (request_perf.py); times in ns since the epoch
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    num_allocated_pages: int = 0
+    num_first_pages: int = 0                 # allocated when first admitted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def append_token(self, token: int, logprob: float | None = None) -> None:
+        self.last_token_ns = time.time_ns()
+        if not self.output_ids:
+            self.first_token_ns = self.last_token_ns
         self.output_ids.append(token)
         if self.controls is not None:
             self.controls.append(token)
@@ -75,6 +89,18 @@ class Sequence:
         self.num_computed = 0
         self.num_matched_pages = self.num_published = 0
         self.draft = DraftState()
+
+    def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_draft_tokens += num_accepted
+
+    def perf(self, page_size: int) -> RequestPerf:
+        return RequestPerf(
+            reused_pages=(self.num_cached_tokens or 0) // page_size, new_pages=self.num_first_pages,
+            total_pages=self.num_allocated_pages, arrival_ns=self.arrival_ns,
+            first_scheduled_ns=self.first_scheduled_ns, first_token_ns=self.first_token_ns,
+            last_token_ns=self.last_token_ns, draft_tokens=self.num_draft_tokens,
+            accepted_draft_tokens=self.num_accepted_draft_tokens)
 
     @property
     def is_finished(self) -> bool:

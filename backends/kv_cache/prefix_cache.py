@@ -27,7 +27,8 @@ from .allocator import OutOfPages
 
 @dataclass(slots=True)
 class CacheStats:
-    """Counters since start (pages): prompt pages looked up, found, evicted."""
+    """Counters since start (pages): prompt pages looked up and found (counted by the
+    engine, once a sequence is admitted), evicted."""
     queried_pages: int = 0
     hit_pages: int = 0
     evictions: int = 0
@@ -130,8 +131,6 @@ class CachingAllocator:
                 del self._evictable[p]
             self._ref[p] += 1
             pages.append(p)
-        self.stats.queried_pages += len(keys)
-        self.stats.hit_pages += len(pages)
         return pages
 
     def publish(self, page: int, key: bytes) -> bool:

@@ -59,6 +59,10 @@ return_generation_logits    BOOL    false        false (no logits are returned)
 return_num_input_tokens     BOOL    false        any; the outputs are on every response
 return_num_output_tokens    BOOL    false        any; the outputs are on every response
 return_finish_reason        BOOL    false        any; the outputs are on every response
+return_perf_metrics         BOOL    false        true: the KV cache, timing and speculation
+                                                 outputs (TensorRT-LLM's) carry values
+cache_salt                  STRING  none         up to 256 characters: prompts share cached
+                                                 KV only with the same salt
 exclude_input_in_output     BOOL    false        text form only: false makes the
                                                  non-streaming text start with the
                                                  prompt (as in TensorRT-LLM); streaming
@@ -119,6 +123,8 @@ SAMPLING_INPUTS = {
     "return_num_input_tokens": ("TYPE_BOOL", [1]),
     "return_num_output_tokens": ("TYPE_BOOL", [1]),
     "return_finish_reason": ("TYPE_BOOL", [1]),
+    "return_perf_metrics": ("TYPE_BOOL", [1]),
+    "cache_salt": ("TYPE_STRING", [1]),
 }
 INPUTS = {"text_input": ("TYPE_STRING", [1]), "input_ids": ("TYPE_INT32", [-1]), **SAMPLING_INPUTS,
           "exclude_input_in_output": ("TYPE_BOOL", [1])}
@@ -164,6 +170,8 @@ class GenerateRequest:
     length_penalty: float = 1.0                # accepted; ranks beams only, and there are none
     embedding_bias: list[tuple[str, float]] = field(default_factory=list)
     return_log_probs: bool = False
+    return_perf_metrics: bool = False
+    cache_salt: str | None = None
     exclude_input_in_output: bool = False
 
     def sampling_params(self, index: int = 0, tokenizer=None):
@@ -193,6 +201,7 @@ class GenerateRequest:
             bad_words=list(self.bad_words),
             logit_bias=logit_bias(self.embedding_bias, tokenizer),
             logprobs=self.return_log_probs,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -298,6 +307,16 @@ def _embedding_bias(get: GetInput) -> list[tuple[str, float]]:
     return [(word, float(w)) for word, w in zip(words, weights) if word]
 
 
+def _cache_salt(get: GetInput) -> str | None:
+    value = scalar(get, "cache_salt")
+    if value is None:
+        return None
+    salt = as_text(value, "cache_salt")
+    if len(salt) > MAX_STOP_WORD_CHARS:
+        raise RequestError("cache_salt", f"has {len(salt)} characters; allowed: up to {MAX_STOP_WORD_CHARS}")
+    return salt or None
+
+
 def _refused(get: GetInput, name: str, why: str) -> None:
     if flag(get, name, False):
         raise RequestError(name, f"not supported: {why}; allowed: false")
@@ -351,6 +370,8 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
         length_penalty=_float(get, "length_penalty", 1.0, lambda v: True, "a finite number"),
         embedding_bias=_embedding_bias(get),
         return_log_probs=flag(get, "return_log_probs", False),
+        return_perf_metrics=flag(get, "return_perf_metrics", False),
+        cache_salt=_cache_salt(get),
     )
 
 

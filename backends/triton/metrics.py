@@ -216,6 +216,17 @@ class EngineMetrics(_ModelMetrics):
             r.metric("tandem_spec_mean_acceptance_length", "gauge",
                      "1 + accepted draft tokens / verification rounds since start"
                      ).set(m.mean_acceptance_length)
+        c = getattr(engine, "prefix_cache", None)
+        if c is not None:   # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+            for name, total, what in (
+                    ("tandem_prefix_cache_queries_total", c.queried_tokens,
+                     "prompt tokens looked up in the prefix cache (full pages, the last token excluded)"),
+                    ("tandem_prefix_cache_hits_total", c.hit_tokens, "prompt tokens the prefix cache served"),
+                    ("tandem_prefix_cache_evictions_total", c.evictions, "cached KV pages evicted for new ones")):
+                r.metric(name, "counter", what).increment(d.take(name, total))
+            r.metric("tandem_prefix_cache_hit_rate", "gauge",
+                     "prefix cache hits / queries (tokens) since start").set(c.hit_rate)
+            r.metric("tandem_prefix_cache_pages", "gauge", "KV pages the prefix cache holds").set(c.cached_pages)
         if pool is not None:
             s = pool.stats()
             pages = {"free": s.free, "reserved": s.reserved, "in_use": s.in_use}

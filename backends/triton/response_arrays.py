@@ -27,6 +27,9 @@ batch_index         INT32   [1, 1]           always 0 (one request per batch)
 sequence_index      INT32   [1, 1]           which of ``num_return_sequences``
 output_ids          INT32   [1, n]           this response's new tokens (``tandem_tokens``,
                                              ``llm``, ``decode``)
+num_cached_tokens   UINT32  [1, 1]           prompt tokens the prefix cache served
+kv_cache_*, ...     [1, 1]                   with ``return_perf_metrics``: TensorRT-LLM's
+                                             perf outputs (:mod:`.perf_outputs`), else 0
 ==================  ======  ===============  ===============================================
 
 Every declared output is on every response: Triton's ensemble builds a streamed
@@ -46,10 +49,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.request_perf import RequestPerf
+from .perf_outputs import PERF_OUTPUT_NAMES, perf_arrays
+
 ENGINE_OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                       "cum_log_probs", "output_log_probs", "sequence_index")
+                       "cum_log_probs", "output_log_probs", "sequence_index", *PERF_OUTPUT_NAMES)
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "cum_log_probs",
-                "output_log_probs", "context_logits", "generation_logits", "batch_index", "sequence_index")
+                "output_log_probs", "context_logits", "generation_logits", "batch_index", "sequence_index",
+                *PERF_OUTPUT_NAMES)
 TOKEN_OUTPUT_NAMES = ("output_ids", *OUTPUT_NAMES)
 
 
@@ -64,6 +71,8 @@ class SequenceReply:
     sequence_index: int = 0
     log_probs: list[float] = field(default_factory=list)   # empty without return_log_probs
     cum_log_prob: float = 0.0
+    num_cached_tokens: int = 0         # prompt tokens the prefix cache served
+    perf: RequestPerf | None = None    # with return_perf_metrics (perf_outputs.py)
 
 
 def string_array(text: str | bytes) -> np.ndarray:
@@ -99,4 +108,5 @@ def _common(r: SequenceReply) -> dict[str, np.ndarray]:
         "cum_log_probs": np.array([[r.cum_log_prob]], dtype=np.float32),
         "output_log_probs": np.asarray(r.log_probs, dtype=np.float32).reshape(1, 1, -1),
         "sequence_index": np.array([[r.sequence_index]], dtype=np.int32),
+        **perf_arrays(r.num_cached_tokens, r.perf),
     }

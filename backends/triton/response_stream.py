@@ -120,7 +120,9 @@ class ResponseStream:
             reply = SequenceReply(
                 token_ids=list(ids), text=text, finish_reason=(out.finish_reason or "stop") if out.finished else None,
                 num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                sequence_index=index, log_probs=list(log_probs), cum_log_prob=cum)
+                sequence_index=index, log_probs=list(log_probs), cum_log_prob=cum,
+                num_cached_tokens=getattr(out, "num_cached_tokens", 0),
+                perf=getattr(out, "perf", None) if self.request.return_perf_metrics else None)
             final = not self.unfinished()
             self._emit(Reply(sequence=reply, relay=self._relay, final=final))
 

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat_template import ChatTemplate, ChatTemplateError
-from .ensemble_request import LOG_PROBS_OUTPUT, ensemble_inputs
+from .ensemble_request import CACHED_OUTPUT, LOG_PROBS_OUTPUT, ensemble_inputs
 from .metrics import FrontendMetrics, MetricsMiddleware
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, Usage,
                        invalid, new_id, now)
@@ -276,7 +276,8 @@ async def _inputs(fe: Frontend, model: str, body, prompts: list[tuple[str, int]]
 def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> AsyncIterator[Event]:
     # only the outputs read here (Tandem's ensembles send every declared output on every
     # response, so asking for fewer never holds a response back)
-    wanted = BASE_OUTPUTS + (("output_log_probs",) if "return_log_probs" in arrays[0] else ())
+    wanted = BASE_OUTPUTS + (("output_log_probs",) if "return_log_probs" in arrays[0] else ()) + (
+        (CACHED_OUTPUT,) if fe.backend.declares_output(model, CACHED_OUTPUT) else ())
     return merged([fe.backend.generate(model, a, request_id=f"{rid}-{i}", outputs=wanted)
                    for i, a in enumerate(arrays)])
 
@@ -338,7 +339,8 @@ async def _collect(fe: Frontend, events: AsyncIterator[Event], n: int, request: 
 def _usage(choices: list[Choice], n: int) -> Usage:
     # the prompt counts once per prompt (the first choice of each), as OpenAI counts it
     prompt = sum(c.prompt_tokens for c in choices if c.index % n == 0)
-    return Usage.of(prompt, sum(c.completion_tokens for c in choices))
+    cached = [c.cached_tokens for c in choices if c.index % n == 0 and c.cached_tokens is not None]
+    return Usage.of(prompt, sum(c.completion_tokens for c in choices), sum(cached) if cached else None)
 
 
 def _count_tokens(fe: Frontend, endpoint: str, choices: list[Choice], n: int) -> None:

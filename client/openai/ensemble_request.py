@@ -39,6 +39,7 @@ OPTIONAL_FIELDS = {
     "min_tokens": (("min_tokens", "min_length"), np.int32, 0),
 }
 LOG_PROBS_INPUT, LOG_PROBS_OUTPUT = "return_log_probs", "output_log_probs"
+CACHE_SALT_INPUT, CACHED_OUTPUT = "cache_salt", "num_cached_tokens"
 SEED_MOD = 2 ** 64
 # the field an ensemble error names ("in ensemble 'tandem', max_tokens: got 0; ..."), as OpenAI names it
 _FIELD = re.compile(r"^(?:in ensemble '[^']*', )?([a-z_]+): ")
@@ -78,6 +79,11 @@ def ensemble_inputs(req: _Request, prompt: str, declared: frozenset[str] | set[s
             raise invalid(field, f"not supported by this server: ensemble {model!r} declares no input "
                                  f"{' or '.join(repr(n) for n in names)}")
         arrays[name] = one(value, dtype)
+    if req.cache_salt is not None:
+        if CACHE_SALT_INPUT not in declared:
+            raise invalid("cache_salt", f"not supported by this server: ensemble {model!r} declares no "
+                                        f"input {CACHE_SALT_INPUT!r}")
+        arrays[CACHE_SALT_INPUT] = one(req.cache_salt.encode("utf-8"), np.object_)
     if logprobs:
         if LOG_PROBS_INPUT not in declared:
             raise invalid("logprobs", f"not supported by this server: ensemble {model!r} declares no "

@@ -89,6 +89,8 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    # vLLM's: prompts share cached KV (prefix caching) only with requests of the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     _stop_is_text = field_validator("stop")(utf8_text)
 
@@ -205,15 +207,29 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0       # prompt tokens whose KV the prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # only when the ensemble reports cached tokens (model_dump leaves it out otherwise)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "Usage":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=None if cached_tokens is None
+                   else PromptTokensDetails(cached_tokens=cached_tokens))
+
+    def model_dump(self, **kwargs):
+        out = super().model_dump(**kwargs)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
 
 class ModelCard(BaseModel):

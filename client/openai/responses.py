@@ -43,6 +43,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None                       # None: not reported
     tokens: list[str] = field(default_factory=list)       # with logprobs
     logprobs: list[float] = field(default_factory=list)
 
@@ -55,6 +56,8 @@ class Choice:
         Tokenizer) names the tokens of its log probabilities (:func:`tokens_of`)."""
         self.prompt_tokens = max(self.prompt_tokens, r.num_input_tokens)
         self.completion_tokens = max(self.completion_tokens, r.num_output_tokens)
+        if r.num_cached_tokens is not None:
+            self.cached_tokens = max(self.cached_tokens or 0, r.num_cached_tokens)
         if r.finish_reason:
             self.finish_reason = r.finish_reason
         if r.text:

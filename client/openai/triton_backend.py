@@ -34,6 +34,7 @@ class EnsembleResponse:
     finish_reason: str = ""       # "" until the last response with data
     num_input_tokens: int = 0
     num_output_tokens: int = 0    # cumulative
+    num_cached_tokens: int | None = None   # None: the ensemble did not say
     final: bool = False
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -70,6 +71,8 @@ def parse_result(result) -> EnsembleResponse:
         text=_text(_first(result, "text_output")), finish_reason=_text(_first(result, "finish_reason")),
         num_input_tokens=int(_first(result, "num_input_tokens") or 0),
         num_output_tokens=int(_first(result, "num_output_tokens") or 0), final=final,
+        num_cached_tokens=None if _first(result, "num_cached_tokens") is None
+        else int(_first(result, "num_cached_tokens")),
         output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
         log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)])
 
@@ -94,6 +97,8 @@ def _parse_raw(outputs, raw, final: bool) -> EnsembleResponse:
                 r.num_input_tokens = value
             else:
                 r.num_output_tokens = value
+        elif name == "num_cached_tokens":
+            r.num_cached_tokens = int.from_bytes(data[:4], "little") if len(data) >= 4 else 0
         elif name == "output_ids":
             r.output_ids = np.frombuffer(data, dtype="<i4").tolist()
         elif name == "output_log_probs":
@@ -132,6 +137,11 @@ class TritonBackend:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    def declares_output(self, model: str, name: str) -> bool:
+        """Whether ``model``'s interface, as last asked, has output ``name``."""
+        iface = self._interfaces.get(model)
+        return iface is not None and name in iface.outputs
 
     async def interface(self, model: str) -> ModelInterface:
         """The inputs and outputs ``model`` declares (asked once; asked again after an error)."""

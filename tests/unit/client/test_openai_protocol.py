@@ -179,6 +179,9 @@ class FakeBackend:
     async def interface(self, model):
         return self.iface
 
+    def declares_output(self, model, name):
+        return name in self.iface.outputs
+
     async def ready(self):
         return True
 

@@ -193,6 +193,9 @@ def test_salts_isolate(target_dir):
         while llm.engine.has_unfinished():
             cached += [o.num_cached_tokens for o in llm.engine.step() if o.finished]
     assert cached == [0, 0, 0, 40, 40]
+    from tandem.backends.engine.prefix_caching import PrefixCacheStats
+    stats = PrefixCacheStats.of(llm.engine.prefix)
+    assert (stats.queried_tokens, stats.hit_tokens, stats.cached_pages) == (5 * 40, 80, 15)
 
 
 def test_a_new_model_version_reads_nothing_of_the_old(target_dir):

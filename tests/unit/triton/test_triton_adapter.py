@@ -25,6 +25,7 @@ from tandem.backends.triton.response_arrays import (OUTPUT_NAMES, TOKEN_OUTPUT_N
                                                     ensemble_arrays)
 from tandem.backends.triton.generate_request import INPUTS
 from tandem.backends.triton.settings import EngineSettings, model_limits
+from tandem.backends.triton.perf_outputs import PERF_OUTPUT_NAMES
 
 from .fakes import (CONTEXT, FINAL, VOCAB, FakeEngine, FakeTokenizer, MetricFamily, Request, SlowSender,
                     TritonError, TritonModelException, metric, stand_in_pb_utils)
@@ -292,7 +293,7 @@ def test_engine_replies_have_a_batch_dimension():
     assert {k: v.shape for k, v in a.items()} == {
         "output_ids": (1, 2), "text_output": (1, 1), "finish_reason": (1, 1), "num_input_tokens": (1, 1),
         "num_output_tokens": (1, 1), "cum_log_probs": (1, 1), "output_log_probs": (1, 1, 2),
-        "sequence_index": (1, 1)}
+        "sequence_index": (1, 1), **{n: (1, 1) for n in PERF_OUTPUT_NAMES}}
     assert a["text_output"][0, 0].decode() == "hé" and a["num_input_tokens"].dtype == np.uint32
     assert a["output_ids"].dtype == np.int32 and a["output_ids"].tolist() == [[4, 5]]
     assert engine_arrays(SequenceReply([], "", "abort", 3, 0))["output_ids"].shape == (1, 0)
@@ -308,7 +309,8 @@ def test_ensemble_responses_are_shaped_as_tensorrt_llm_shapes_them():
     assert {k: v.shape for k, v in a.items() if k != "text_output"} == {
         "finish_reason": (1, 1), "num_input_tokens": (1, 1), "num_output_tokens": (1, 1),
         "cum_log_probs": (1, 1), "output_log_probs": (1, 1, 1), "context_logits": (1, 0, 0),
-        "generation_logits": (1, 1, 0, 0), "batch_index": (1, 1), "sequence_index": (1, 1)}
+        "generation_logits": (1, 1, 0, 0), "batch_index": (1, 1), "sequence_index": (1, 1),
+        **{n: (1, 1) for n in PERF_OUTPUT_NAMES}}
     assert int(a["sequence_index"][0][0]) == 2 and int(a["batch_index"][0][0]) == 0
     assert "output_ids" not in a and ensemble_arrays(r, with_ids=True)["output_ids"].tolist() == [[4]]
 
@@ -334,6 +336,7 @@ def test_initialize_configures_engine_and_threads(model, ckpt_dir):
     assert engine.started and engine.model_dir == str(ckpt_dir)
     assert engine.kwargs == dict(dtype="float32", page_size=16, kv_layout="HND", num_pages=None,
                                  max_num_seqs=64, max_num_batched_tokens=512, speculative=None,
+                                 enable_prefix_caching=True, model_version="1",
                                  compile="auto", compile_cache_dir=None, enforce_eager=False)
     assert torch.get_num_threads() == 1
 
