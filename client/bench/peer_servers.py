@@ -28,6 +28,8 @@ VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 # the lookup window Tandem's ngram proposer uses by default, so both search alike
 NGRAM_LOOKUP = (1, 3)
 SERVED_NAME = "tandem"       # both serve the checkpoint under this model id
+# a busy shared host stretches a start (vLLM's ~2 min, Tandem's warm-up compiles) several fold
+READY_TIMEOUT_S = 900
 
 
 class PeerError(RuntimeError):
@@ -87,19 +89,38 @@ def vllm_env(kv_cache_gib: int) -> dict:
     return env
 
 
+def snapshot(dest: Path, rev: str = "HEAD") -> Path:
+    """The code of ``rev`` (``git archive``) in ``dest``, and beside it a ``tandem``
+    namespace whose parts point into it: on ``PYTHONPATH`` it wins over the editable
+    install (whose finder comes after the path's), so a server runs ``rev`` even while
+    the working tree is being edited."""
+    tree, pkg = dest / "tree", dest / "pkg"
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    (pkg / "tandem").mkdir(parents=True, exist_ok=True)
+    for part in ("backends", "rdma", "client"):
+        (pkg / "tandem" / part).symlink_to(tree / part)
+    return pkg
+
+
 def tandem_command(model: Path, port: int, dtype: str, method: str, k: int, mode: str, run_dir: Path
                    ) -> list[str]:
     from tandem.client.serve.triton_server import free_port
-    tandem = Path(sys.executable).parent / "tandem"
-    cmd = [str(tandem), "serve", "--model", str(model), "--dtype", dtype, "--mode", mode,
+    cmd = [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(model), "--dtype", dtype, "--mode", mode,
            "--openai-port", str(port), "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-           "--metrics-port", str(free_port()), "--run-dir", str(run_dir), "--log-file", str(run_dir / "triton.log")]
+           "--metrics-port", str(free_port()), "--run-dir", str(run_dir), "--log-file", str(run_dir / "triton.log"),
+           "--ready-timeout", str(READY_TIMEOUT_S)]
     return cmd + (["--spec", method, "--k", str(k)] if method != "none" else [])
 
 
-def tandem_env() -> dict:
+def tandem_env(pythonpath: Path | None = None) -> dict:
+    """The venv's bin first (Triton's stubs run its interpreter), and the code snapshot's
+    ``tandem`` ahead of the editable install's when given."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -158,7 +179,7 @@ class OpenAIServer:
         self.proc = None
 
 
-def wait_ready(servers: list[OpenAIServer], timeout_s: float = 900.0) -> None:
+def wait_ready(servers: list[OpenAIServer], timeout_s: float = READY_TIMEOUT_S) -> None:
     """Until every server answers, each timed on its own (they load side by side)."""
     deadline = time.monotonic() + timeout_s
     while not all([s.poll_ready() for s in servers]):

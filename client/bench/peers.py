@@ -21,6 +21,7 @@ import os
 import statistics
 import time
 from contextlib import ExitStack
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tandem.client.bench.args import ArgumentTypeError, names, positive_int, positive_ints
@@ -71,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the warm prompts' unique suffix (cold prompts: prefix + suffix tokens, all unique)")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--tandem-mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--tandem-code", default="head", choices=["head", "worktree"],
+                   help="head (default): Tandem's servers run the last commit (a git archive in the run's temp "
+                        "dir), unmoved by edits during the run; worktree: the checkout as it is")
+    p.add_argument("--update", action="store_true",
+                   help="merge into the report at --out: the configurations measured now replace theirs there")
     p.add_argument("--vllm-kv-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--keep-work", action="store_true", help="keep the servers' logs (a temp dir)")
     p.add_argument("--report-only", action="store_true",
@@ -113,7 +119,8 @@ def rotated(items: list, by: int) -> list:
     return items[by:] + items[:by]
 
 
-def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | None) -> dict:
+def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | None,
+                tandem_path: Path | None) -> dict:
     """Every server of a group started at once (their loading overlaps), then awaited."""
     from tandem.client.bench import peer_servers as ps
     from tandem.client.serve.triton_server import free_port
@@ -127,7 +134,7 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
             run_dir = work / name
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd, env = ps.tandem_command(args.model, port, args.dtype, method, args.k, args.tandem_mode,
-                                         run_dir), ps.tandem_env()
+                                         run_dir), ps.tandem_env(tandem_path)
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
         srv = ps.OpenAIServer(name, cmd, env, port, work / f"{name}.log")
@@ -266,6 +273,10 @@ def markdown(report: dict, concurrency: list[int]) -> str:
              f"cold prompts {pt['cold']} tokens (unique), warm {pt['warm']} tokens; {report['max_tokens']} tokens "
              f"per stream; medians of {report['repeats']} repeats (min–max)", "",
              ratio_table(report["comparisons"], concurrency), ""]
+    if report.get("groups"):
+        parts[4:4] = ["Groups (servers up together, measured in turns): " + "; ".join(
+            f"{g} started {v['start']} (Tandem code {v['tandem_code']}, load {v['load_avg']})"
+            for g, v in report["groups"].items()), ""]
     for key, digits in (("output_tok_s", 1), ("itl_ms_p50", 1), ("itl_ms_p99", 1), ("tpot_ms_p50", 1),
                         ("ttft_cold_ms_p50", 0), ("ttft_warm_ms_p50", 0), ("tokens_per_chunk", 2)):
         parts += [table(s, concurrency, key, digits), ""]
@@ -294,6 +305,20 @@ def plot(summary: dict, concurrency: list[int], out: Path, report: dict) -> Path
     axes[0].set_title(f"Tandem vs vLLM (CPU), {report['dtype']}, medians of {report['repeats']} (min–max)",
                       fontsize=9, loc="left")
     return save_figure(fig, out.with_suffix(".png"), report)
+
+
+def merge(old: dict, runs: dict, report: dict) -> dict:
+    """``old``'s runs of the configurations not measured now, added to ``runs``; its
+    groups' dates and commands kept in ``report`` (each group is compared within itself)."""
+    merged = dict(runs)
+    for name, per_c in old.get("runs", {}).items():
+        cfg = tuple(name.split("/"))
+        if cfg not in runs:
+            merged[cfg] = {int(c): v for c, v in per_c.items()}
+    report["groups"] = {**{g: v for g, v in old.get("groups", {}).items() if g not in report["groups"]},
+                        **report["groups"]}
+    report["earlier_commands"] = old.get("earlier_commands", []) + [f"{old['date']}: {old['command']}"]
+    return merged
 
 
 def git_state() -> str:
@@ -330,19 +355,31 @@ def run(args: argparse.Namespace) -> int:
     if not cfgs:
         raise SystemExit(f"no server offers {args.methods} ({', '.join(servers)})")
     vllm_python = ensure_vllm_venv() if "vllm" in servers else None
+    if args.update and args.out.exists():
+        old_levels = {c for per_c in json.loads(args.out.read_text()).get("runs", {}).values() for c in per_c}
+        if old_levels and old_levels != {str(c) for c in concurrency}:
+            raise SystemExit(f"--update: {args.out} has levels {sorted(old_levels, key=int)}, not {concurrency}")
     starts, total = offsets(concurrency, args.repeats, args.requests)
     prompts = Prompts.cut(args.model / "tokenizer.json", total + 1, args.prefix_tokens, args.suffix_tokens)
-    cpu, load_start, git = cpu_info(), round(os.getloadavg()[0], 2), git_state()
+    cpu, load_start = cpu_info(), round(os.getloadavg()[0], 2)
+    git = git_state() if args.tandem_code == "worktree" else git_state().split()[0]
     print(f"CPU {cpu['model']} ({', '.join(cpu['flags'])}), dtype {args.dtype}, load {load_start}; "
           f"{', '.join(map(label, cfgs))}", flush=True)
     runs = {cfg: {c: [] for c in concurrency} for cfg in cfgs}
     ready_s, failed = {}, {}
+    group_info: dict[str, dict] = {}
     with work_dir("tandem-bench-peers-", keep=args.keep_work) as work:
+        tandem_path = None
+        if "tandem" in servers and args.tandem_code == "head":
+            from tandem.client.bench.peer_servers import snapshot
+            tandem_path = snapshot(work / "code")
         for group, members in groups(cfgs).items():
             print(f"group {group}: starting {', '.join(map(label, members))}", flush=True)
+            group_info[group] = {"start": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                 "tandem_code": git, "load_avg": round(os.getloadavg()[0], 2)}
             with ExitStack() as stack:
                 try:
-                    up = start_group(stack, members, args, work, vllm_python)
+                    up = start_group(stack, members, args, work, vllm_python, tandem_path)
                     for cfg, srv in up.items():
                         ready_s[label(cfg)] = srv.ready_s
                         warm_up(srv, cfg, args, prompts)
@@ -367,6 +404,9 @@ def run(args: argparse.Namespace) -> int:
               "peers_venv": str(PEERS_VENV) if vllm_python else None, "failed_to_start": failed}
     report["machine"] += (f"; CPU {cpu['model']} ({', '.join(cpu['flags']) or 'no avx2/avx512/amx'}); "
                           f"shared host, load {load_start}..{report['load_avg_end']}")
+    report["groups"] = group_info
+    if args.update and args.out.exists():
+        runs = merge(json.loads(args.out.read_text()), runs, report)
     report["summary"] = aggregate(runs, concurrency)
     report["comparisons"] = comparisons(runs, concurrency)
     report["runs"] = {label(cfg): {str(c): v for c, v in per_c.items()} for cfg, per_c in runs.items()}
