@@ -18,6 +18,19 @@ def auto_dtype_is_float32():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engines_run_eagerly():
+    """Engines the tests make run eagerly, as on a machine without a C++ compiler:
+    compiling at start-up would add seconds to each. The compiled steps are tested on
+    their own (tests/unit/engine/test_compiled_decode.py, which turns the probe back on);
+    servers the tests start as a command compile as a user's would."""
+    from tandem.backends.engine import config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "cxx_compiler", lambda: None)
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory):
     """The tiny untrained demo checkpoint (2-layer Llama, 2000-token BPE), built once per session."""

@@ -1,27 +1,92 @@
-"""Small decode batches on the CPU through ``torch.compile``: the CPU's CUDA graph.
+"""Decode steps on the CPU through ``torch.compile``: the CPU's CUDA graph.
 
-At batch 1 a decode step of the demo target is mostly per-operator overhead; inductor
-fuses the norms, rotary and residual arithmetic of each layer into a few C++ kernels and
-runs the whole step (KV append, page gather, attention included) as one call:
-``tandem bench compile`` measures it ~1.6x faster than the eager step at batch 1 and
-slower from batch 4 on, so only the sizes in ``COMPILED_SIZES`` are compiled. The step
-has static shapes except the page count (a dynamic dimension, so a growing context does
-not recompile); padding rows and padding pages point at the engine's scratch page and are
-masked out. Off by default (``EngineConfig.compile``): each size compiles for ~10 s on
-first use, and fused kernels round differently from the eager ones (bf16 greedy text can
-differ from the eager engine's at near-ties; fp32 agrees to ~1e-6).
+At small batches a decode step of the demo target is mostly per-operator overhead;
+inductor fuses each layer's norms, rotary and residual arithmetic into a few C++ kernels
+and calls the linears' GEMMs directly, with no Python between them. Attention stays
+outside the graph: each layer calls the opaque op ``tandem::paged_attention``, which runs
+the step's planned :class:`~.model_runner.PagedAttention` (KV append and the CPU twin of
+FlashInfer's wrapper, exactly the eager code), as vLLM's piecewise graphs leave attention
+to a "forward context". So the graph's only varying shape is the batch size, marked
+dynamic: one graph for batch 1 and one for every larger batch (no padding, no graph per
+context length), compiled at start-up by :meth:`CompiledDecode.warm_up`.
+
+Whether compiling pays depends on the CPU, the dtype and the batch: warm-up times the
+compiled and the eager step at every bucket of :func:`~.graph_runner.capture_sizes` and
+keeps the compiled one only where it measured faster (:func:`buckets_worth_compiling`).
+Inductor's FX-graph and AOT caches persist under ``cache_dir``, so a restart loads the
+kernels instead of compiling them again. Fused kernels round differently from the eager
+ones: fp32 agrees to ~1e-6; bf16 greedy text can differ from the eager engine's at
+near-ties.
 """
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
-from ..kv_cache import KVPagePool, pages_needed
-from .graph_runner import pad_decode_batch, padded_size
-from .model_runner import ForwardBatch
-from .request_limits import MAX_LOOKAHEAD_SLOTS
+from .graph_runner import padded_size
+from .model_runner import ForwardBatch, ModelRunner, PagedAttention
 
-COMPILED_SIZES = [1, 2]
+# compiled must beat eager by this factor to be kept (the timings are noisy)
+KEEP_MARGIN = 0.95
+
+
+def default_cache_dir() -> str:
+    """``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``~/.cache/tandem/inductor`` (inductor's
+    own default is under /tmp, which a reboot empties)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(base, "tandem", "inductor")
+
+
+def buckets_worth_compiling(timings: dict[int, tuple[float, float]],
+                            margin: float = KEEP_MARGIN) -> list[int]:
+    """The buckets whose compiled step beat the eager one: ``timings`` maps a batch
+    bucket to (eager ms, compiled ms) per step.
+
+    >>> buckets_worth_compiling({1: (5.0, 3.5), 2: (6.0, 5.9), 8: (15.0, 16.0)})
+    [1]
+    """
+    return sorted(b for b, (eager, compiled) in timings.items() if compiled < margin * eager)
+
+
+class _Forward:
+    """The step being run: what ``tandem::paged_attention`` attends with."""
+    attention: PagedAttention | None = None
+
+
+@torch.library.custom_op("tandem::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer's KV append and attention with the running step's :class:`PagedAttention`.
+    Opaque to inductor: the page table, context lengths and the pool's writes never
+    enter the graph (the layers' data dependence keeps the calls in order)."""
+    return _Forward.attention.forward(layer, q, k, v)
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+class _OpAttention:
+    """The model's attention backend inside the graph."""
+
+    def forward(self, layer, q, k, v):
+        return paged_attention(q, k, v, layer)
+
+
+def model_step(model):
+    """``(input_ids [N], cos, sin [N, 1, D]) -> pre-norm hidden [N, hidden]``: the
+    model's forward after the rotary lookup (which reads positions on the host)."""
+    attn = _OpAttention()
+
+    def step(input_ids, cos, sin):
+        x = model.embed_tokens(input_ids)
+        for layer in model.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+    return step
 
 
 def _utf8_locale() -> None:
@@ -37,105 +102,88 @@ def _utf8_locale() -> None:
                 continue
 
 
-def decode_step(model, page_size: int):
-    """The traceable step over an HND pool ``kv`` [layers, pages, 2, H, page_size, D]:
-    ``(kv, ids, positions, rows, mask)`` -> (pre-norm hidden [B, hidden], the new token's
-    K/V [B, layers, 2, H, D]). The pool is only read: each layer attends to its pages plus
-    the new token's own K/V, which the caller writes into the pool after the step (one
-    write for all layers; a write inside the graph would copy the whole pool)."""
-    cfg = model.config
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rot = model.rotary_table()
+@dataclass(slots=True)
+class WarmUp:
+    """What :meth:`CompiledDecode.warm_up` did: seconds spent, ms per step by bucket."""
+    seconds: float
+    timings: dict[int, tuple[float, float]]   # bucket -> (eager ms, compiled ms)
+    compiled: list[int]
 
-    def linear(module, x):   # the weight itself, so that inductor freezes and packs it
-        return F.linear(x, module.weight, module.bias)
-
-    def step(kv, ids, positions, rows, mask):
-        b = ids.shape[0]
-        cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
-        x = model.embed_tokens(ids)
-        new_kv = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = linear(attn.qkv_proj, layer.input_layernorm(x)).view(b, hq + 2 * hkv, d)
-            qk = qkv[:, :hq + hkv]
-            if attn.q_norm is not None:     # Qwen3
-                qk = torch.cat((attn.q_norm(qk[:, :hq]), attn.k_norm(qk[:, hq:])), 1)
-            q, k = (qk * cos + qk.roll(d // 2, -1) * sin).split([hq, hkv], 1)
-            v = qkv[:, hq + hkv:]
-            new_kv.append(torch.stack((k, v), 1))
-            cached = kv[i].reshape(-1, page_size * d).index_select(0, rows)
-            k_old, v_old = cached.view(2, hkv, b, -1, d).transpose(1, 2).to(q.dtype)
-            k_all = torch.cat((k_old, k.unsqueeze(2)), 2)           # [B, H, L + 1, D]
-            v_all = torch.cat((v_old, v.unsqueeze(2)), 2)
-            o = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k_all, v_all,
-                                               attn_mask=mask)
-            x = x + linear(attn.o_proj, o.reshape(b, hq * d))
-            gate, up = linear(mlp.gate_up_proj, layer.post_attention_layernorm(x)).chunk(2, -1)
-            x = x + linear(mlp.down_proj, F.silu(gate) * up)
-        return x, torch.stack(new_kv, 1)
-    return step
+    def describe(self) -> str:
+        per = ", ".join(f"{b}: {e:.2f}/{c:.2f}" for b, (e, c) in sorted(self.timings.items()))
+        return (f"compiled decode for batch buckets {self.compiled or 'none'} "
+                f"(warm-up {self.seconds:.1f} s; eager/compiled ms per step: {per or 'not measured'})")
 
 
-def step_inputs(batch: ForwardBatch, page_size: int, num_kv_heads: int, dtype,
-                scratch_page: int) -> tuple[torch.Tensor, ...]:
-    """``(ids, positions, rows, mask)`` of the step for a (padded) decode batch, and where
-    the new tokens' K/V go (``page``, ``slot``). Each sequence's pages up to its new token
-    are padded with the scratch page to a power of two; the mask hides the padding and
-    the new token's slot (the step attends to its K/V directly: the last column).
-
-    >>> ids, pos, rows, mask, page, slot = step_inputs(
-    ...     ForwardBatch([[7]], [17], [[3, 4]]), 16, 1, torch.float32, 9)
-    >>> page.tolist(), slot.tolist(), rows.tolist(), mask.shape, int((mask == 0).sum())
-    ([4], [1], [6, 8, 7, 9], torch.Size([1, 1, 1, 33]), 18)
-    """
-    ends = [s + 1 for s in batch.starts]
-    need = [pages_needed(e, page_size) for e in ends]
-    width = 1 << (max(need) - 1).bit_length()
-    table = torch.tensor([pages[:n] + [scratch_page] * (width - n)
-                          for pages, n in zip(batch.page_lists, need)])          # [B, P]
-    rows = (table[None, None] * 2 + torch.arange(2)[:, None, None, None]) * num_kv_heads \
-        + torch.arange(num_kv_heads)[None, :, None, None]                       # [2, H, B, P]
-    mask = torch.zeros(len(ends), 1, 1, width * page_size + 1, dtype=dtype)
-    for b, start in enumerate(batch.starts):
-        mask[b, ..., start:-1] = float("-inf")        # the cache holds positions < start
-    starts = torch.tensor(batch.starts)
-    page = table[torch.arange(len(ends)), starts // page_size]
-    return (torch.tensor([t[0] for t in batch.token_ids]), starts, rows.reshape(-1), mask,
-            page, starts % page_size)
+def _ms_per_step(fn, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return 1000 * (time.perf_counter() - start) / steps
 
 
 class CompiledDecode:
-    """Decode batches of up to ``max(COMPILED_SIZES)`` sequences through one compiled
-    step per size (the engine's ``decode_graphs`` slot: ``forward(batch)`` -> hidden, or
-    None for a batch it does not take: larger, not plain decode, or an NHD pool)."""
+    """Plain decode batches of ``runner``'s model through one compiled step (the engine's
+    ``decode_graphs`` slot: ``forward(batch)`` -> hidden, or None for a batch it does not
+    take: not plain decode, or a bucket where eager measured faster).
 
-    def __init__(self, model, pool: KVPagePool, scratch_page: int):
+    ``buckets``: the batch sizes that are timed and decided (a batch of n belongs to the
+    smallest bucket >= n; larger than all: eager). Until :meth:`warm_up` decides, every
+    bucket is compiled."""
+
+    def __init__(self, runner: ModelRunner, buckets: list[int], cache_dir: str | None = None):
         _utf8_locale()
-        import torch._inductor.config as inductor_config
-        inductor_config.freezing = True      # weights become constants inductor packs
-        self.pool, self.scratch_page = pool, scratch_page
-        cfg = model.config
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.kv = pool.kv.view(cfg.num_hidden_layers, pool.num_pages, 2, cfg.num_key_value_heads,
-                               pool.page_size, cfg.head_dim)
-        self.dtype = next(model.parameters()).dtype
-        # static shapes: one graph per (batch size, power-of-two page count); dynamic
-        # shapes measured far slower here
-        pages_max = pages_needed(cfg.max_position_embeddings + MAX_LOOKAHEAD_SLOTS, pool.page_size)
-        torch._dynamo.config.cache_size_limit = max(
-            torch._dynamo.config.cache_size_limit, len(COMPILED_SIZES) * pages_max.bit_length() + 2)
-        self.step = torch.compile(decode_step(model, pool.page_size), dynamic=False)
+        # inductor reads the variable whenever it opens its caches
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir or default_cache_dir())
+        # no freezing: inductor's caches refuse frozen graphs, so every start would
+        # compile again; the GEMMs are the eager ones (oneDNN's packed bf16 through an
+        # opaque op, models/packed_linear.py; MKL in fp32)
+        self.runner, self.buckets = runner, sorted(buckets)
+        self.compiled = list(self.buckets)
+        self.rotary = runner.model.rotary_table()
+        self.step = torch.compile(model_step(runner.model))
+        self.warmed: WarmUp | None = None
 
     @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The compiled step on any batch of new tokens (the caller decides that it pays)."""
+        inputs, attention = self.runner.attention(batch)
+        cos, sin = self.rotary.lookup(inputs.positions)
+        ids = inputs.input_ids
+        if ids.shape[0] > 1:   # one graph for every batch > 1 (1 is specialised anyway)
+            for t in (ids, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
+        _Forward.attention = attention
+        try:
+            return self.step(ids, cos, sin)
+        finally:
+            _Forward.attention = None
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        n = len(batch.token_ids)
-        size = padded_size(n, COMPILED_SIZES)
-        if size is None or self.pool.kv_layout != "HND" or any(len(t) != 1 for t in batch.token_ids):
+        bucket = padded_size(len(batch.token_ids), self.buckets)
+        if bucket not in self.compiled or any(len(t) != 1 for t in batch.token_ids):
             return None
-        inputs = step_inputs(pad_decode_batch(batch, size, self.scratch_page), self.pool.page_size,
-                             self.num_kv_heads, self.dtype, self.scratch_page)
-        ids, positions, rows, mask, page, slot = inputs
-        hidden, new_kv = self.step(self.kv, ids, positions, rows, mask)
-        self.kv[:, page, :, :, slot] = new_kv.to(self.kv.dtype)   # [B, layers, 2, H, D]
-        return hidden[:n]
+        return self.run(batch)
+
+    def warm_up(self, scratch_page: int, measure: bool = True, rounds: int = 5,
+                steps: int = 3) -> WarmUp:
+        """Compile (or load from the cache) every graph now, so no request waits for it;
+        with ``measure``, keep the compiled step only for the buckets where it is faster.
+        The timed batches write only ``scratch_page`` (token 0 at position 0)."""
+        start = time.perf_counter()
+        timings: dict[int, tuple[float, float]] = {}
+        for bucket in self.buckets:
+            batch = ForwardBatch([[0]] * bucket, [0] * bucket, [[scratch_page]] * bucket)
+            compiled = lambda: self.run(batch)
+            compiled()
+            if not measure:
+                continue
+            eager = lambda: self.runner.forward(batch)
+            eager()
+            runs = [(_ms_per_step(eager, steps), _ms_per_step(compiled, steps))
+                    for _ in range(rounds)]        # interleaved; the fastest round of each
+            timings[bucket] = (min(e for e, _ in runs), min(c for _, c in runs))
+        if measure:
+            self.compiled = buckets_worth_compiling(timings)
+        self.warmed = WarmUp(time.perf_counter() - start, timings, list(self.compiled))
+        return self.warmed

@@ -9,6 +9,8 @@ settings and ``tandem serve`` all read them from here.
 """
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import MISSING, dataclass, field, fields
 
 from ..kv_cache.pages import KV_LAYOUTS, pages_needed
@@ -17,6 +19,13 @@ from ..models.dtype import AUTO, resolve_dtype
 from ..speculative.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
+COMPILE_MODES = ("auto", "all")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else g++ or
+    c++), or None: then the engine runs eagerly."""
+    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,12 +42,15 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
-    # CUDA only (vLLM's name): run decode steps eagerly instead of replaying CUDA graphs;
-    # the CPU always runs eagerly
+    # vLLM's name: every step eager, no CUDA graphs (GPU) and no compiled decode (CPU)
     enforce_eager: bool = False
-    # CPU only: decode batches of 1 and 2 through torch.compile (compiled_decode.py);
-    # ~10 s of compiling per size on first use
-    compile: bool = False
+    # CPU: the decode step through torch.compile, compiled at start-up (compiled_decode.py).
+    # "auto": kept for the batch buckets where warm-up measured it faster than eager;
+    # "all": for every bucket. Off with enforce_eager or without a C++ compiler.
+    compile: str = "auto"
+    # inductor's persistent caches (a restart loads instead of compiling); default
+    # $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tandem/inductor
+    compile_cache_dir: str | None = None
     # automatic prefix caching (vLLM's name): full pages of computed KV are kept and
     # shared by later prompts with the same prefix (prefix_caching.py)
     enable_prefix_caching: bool = True
@@ -58,6 +70,8 @@ class EngineConfig:
             self.speculative.validate()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r}; allowed: {', '.join(COMPILE_MODES)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}; allowed: {', '.join(KV_LAYOUTS)}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -65,6 +79,11 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)}; allowed: an integer >= 1")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
+
+    def compiles(self) -> bool:
+        """Whether the engine compiles its decode step (a CPU with a C++ compiler for
+        inductor, and not ``enforce_eager``)."""
+        return self.device == "cpu" and not self.enforce_eager and cxx_compiler() is not None
 
     def num_pages_for(self, model: ModelConfig) -> int:
         """``num_pages``, or the default pool size for ``model``."""

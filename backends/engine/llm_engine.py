@@ -16,7 +16,7 @@ from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .compiled_decode import CompiledDecode
-from .graph_runner import GraphedDecode
+from .graph_runner import GraphedDecode, capture_sizes
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
@@ -112,12 +112,8 @@ class LLMEngine:
         self.decode_graphs: GraphedDecode | CompiledDecode | None = None
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs()
-        elif config.device == "cpu" and config.compile:
-            scratch = self.allocator.alloc(1)[0]    # page ids are shared with the draft's pool
-            self.decode_graphs = CompiledDecode(self.model, self.pool, scratch)
-            if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
-                runner = self.proposer.runner
-                self.proposer.fast_decode = CompiledDecode(runner.model, runner.pool, scratch)
+        elif config.compiles():
+            self.decode_graphs = self.make_compiled_decode()
         self._draft_verified: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
@@ -136,6 +132,23 @@ class LLMEngine:
         """Drop every cached page (held pages stay with their sequences); returns how
         many were cached."""
         return self.prefix.reset() if self.prefix is not None else 0
+
+    def make_compiled_decode(self) -> CompiledDecode:
+        """The CPU's compiled decode steps (the draft's too), compiled and decided now:
+        the warm-up writes one page reserved here (shared with the draft's pool)."""
+        scratch = self.allocator.alloc(1)[0]
+        c, buckets = self.config, capture_sizes(self.config.max_num_seqs)
+        models = [("target", self.runner)]
+        if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
+            models.append(("draft", self.proposer.runner))
+        compiled = []
+        for name, runner in models:
+            steps = CompiledDecode(runner, buckets, c.compile_cache_dir)
+            log.info("%s: %s", name, steps.warm_up(scratch, measure=c.compile == "auto").describe())
+            compiled.append(steps)
+        if len(compiled) > 1:
+            self.proposer.fast_decode = compiled[1]
+        return compiled[0]
 
     def make_decode_graphs(self, graphs=None) -> GraphedDecode:
         """Plain decode steps replayed from graphs (CUDA graphs on a GPU; ``graphs``

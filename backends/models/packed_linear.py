@@ -40,9 +40,26 @@ class PackedLinear(nn.Module):
         if x.dtype != torch.bfloat16 or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self._packed,
-                                                 self.bias, "none", [], "")
+        # under torch.compile (engine/compiled_decode.py) through an opaque op: inductor's
+        # own lowering of this one wants frozen weights, which its caches cannot store
+        linear = packed_linear if torch.compiler.is_compiling() else _linear_pointwise
+        out = linear(x.reshape(-1, shape[-1]), self._packed, self.bias)
         return out.view(*shape[:-1], self.out_features)
+
+
+def _linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("tandem::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` from the packed weight [out, in], opaque to inductor."""
+    return _linear_pointwise(x, packed, bias)
+
+
+@packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def pack_linears(model: nn.Module) -> int:

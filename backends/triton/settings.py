@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import Field, dataclass, field, fields
 
-from ..engine.config import ENGINE_DEFAULTS, EngineConfig
+from ..engine.config import COMPILE_MODES, ENGINE_DEFAULTS, EngineConfig
 from ..kv_cache.pages import KV_LAYOUTS
 from ..models.config import DTYPE_CHOICES
 from ..models.dtype import AUTO, resolve_dtype
@@ -68,7 +68,7 @@ def flag_of(f: Field) -> Flag | None:
 def parse_value(f: Field, raw: str):
     """``raw`` (a config.pbtxt string) as the value of field ``f``, by its annotation.
 
-    >>> [parse_value(f, "1") for f in fields(EngineSettings) if f.name in ("page_size", "compile", "dtype")]
+    >>> [parse_value(f, "1") for f in fields(EngineSettings) if f.name in ("page_size", "enforce_eager", "dtype")]
     ['1', 1, True]
     """
     kind = str(f.type)
@@ -114,11 +114,14 @@ class EngineSettings:
         0, "--draft-vocab-size", "with --spec draft_target or mtp: the proposer scores only its N most "
         "frequent tokens (token_frequencies.json in its checkpoint; lossless, only acceptance changes) "
         "(default: %(default)s = all)", metavar="N")
-    compile: bool = setting(False, "--compile", "CPU: decode batches of 1 and 2 through torch.compile (~5-10 s "
-                            "of compiling per batch size and context bucket on first use; bf16 greedy text can "
-                            "differ from the eager engine's at near-ties)")
-    enforce_eager: bool = setting(False, "--enforce-eager", "GPU: run decode steps eagerly instead of replaying "
-                                  "CUDA graphs")
+    compile: str = setting(ENGINE_DEFAULTS["compile"], "--compile", choices=COMPILE_MODES, help=(
+        "CPU: the decode step through torch.compile, compiled at start-up; auto (default): kept for the batch "
+        "sizes where it measured faster than eager; all: for every batch size (bf16 greedy text can differ "
+        "from the eager engine's at near-ties)"))
+    compile_cache_dir: str = setting("", "--compile-cache-dir", "inductor's persistent compile caches (default: "
+                                     "$TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tandem/inductor)", metavar="DIR")
+    enforce_eager: bool = setting(False, "--enforce-eager", "run every step eagerly: no compiled decode step "
+                                  "(CPU), no CUDA graphs (GPU)")
     prefix_caching: str = setting("on", "--prefix-caching", choices=("on", "off"), help=(
         "automatic prefix caching: full KV pages a prompt computed are kept and reused by later prompts with the "
         "same prefix (chat turns, system prompts); a request's cache_salt keeps its prefixes to itself "
@@ -255,7 +258,7 @@ class EngineSettings:
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     speculative=self.speculative(), enable_prefix_caching=self.prefix_caching == "on",
                     compile=self.compile,
-                    enforce_eager=self.enforce_eager)
+                    compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

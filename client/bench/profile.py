@@ -1,11 +1,16 @@
 """``tandem bench profile``: where one decode step and one verify step spend their time.
 
-Runs the engine on the demo target (and draft, for the verify step) under
+Runs the engine on the demo target (and draft, for the verify step), eager
+(``enforce_eager``) and with the compiled decode step (``compile="all"``), under
 ``torch.profiler`` and attributes every operator's own CPU time to the part of the
 engine that called it — weights (linear layers), attention, planning and page tables,
-sampling and verification — by the innermost Tandem frame on its Python stack;
-what the operators do not account for of the wall time is Python and dispatch
-overhead. Prints a table, writes JSON (one row per step kind and batch size).
+sampling and verification — by the innermost Tandem frame on its Python stack; inside
+a compiled region by the operator (the opaque attention and linear ops), the rest of
+the region being inductor's fused kernels. What the operators do not account for of
+the wall time is Python and dispatch overhead. Decode rows also carry the step's
+roofline (``roofline.py``): weight and KV bytes over the measured read bandwidth,
+FLOPs over the measured matmul peak. Prints a table, writes JSON (one row per step
+kind, mode and batch size).
 """
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ CATEGORIES = (
     ("models/", "weights"), ("engine/proposers", "proposer"),
 )
 WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
-              "mkldnn::_linear_pointwise")   # the packed bf16 linear (models/packed_linear.py)
-OPERATOR_NAMESPACES = ("aten::", "mkldnn::")
+              "mkldnn::_linear_pointwise",   # the packed bf16 linear (models/packed_linear.py)
+              "tandem::packed_linear")       # ... inside a compiled step
+OPERATOR_NAMESPACES = ("aten::", "mkldnn::", "tandem::")
+COMPILED_REGION = "Torch-Compiled Region"   # the profiler's event around a compiled graph's call
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft")
     add_dtype(p)
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
+    p.add_argument("--modes", default="eager,compiled",
+                   help="eager (enforce_eager) and/or compiled (the compiled decode step at every batch)")
     p.add_argument("--k", type=positive_int, default=3, help="draft tokens per verify step")
     p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--threads", type=positive_int, default=1)
@@ -62,6 +71,26 @@ def categorize(stack: list[str], op: str) -> str:
                     category = "model (non-matmul)"
                 return draft + category if category != "proposer" else "draft (other)"
     return "other"
+
+
+def in_compiled_region(event) -> bool:
+    p = event.cpu_parent
+    while p is not None:
+        if p.name.startswith(COMPILED_REGION):
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def compiled_category(op: str) -> str:
+    """The category of an operator a compiled step calls (no Python frames there).
+
+    >>> compiled_category("tandem::paged_attention"), compiled_category("aten::mm")
+    ('attention', 'weights')
+    """
+    if op.startswith("tandem::paged_attention"):
+        return "attention"
+    return "weights" if op.startswith(WEIGHT_OPS) else "model (non-matmul)"
 
 
 def python_frames(event) -> list[str]:
@@ -97,40 +126,77 @@ def profile_steps(llm, prompts, steps: int, new_tokens: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     by = defaultdict(float)
+    region = region_ops = 0.0
     for e in prof.events():
+        if e.name.startswith(COMPILED_REGION):
+            region += e.cpu_time_total / 1e6
+            continue
         # top-level operators only (their children are inside their time); with_stack
         # makes the Python frames the operators' parents
         if not e.name.startswith(OPERATOR_NAMESPACES) or (
                 e.cpu_parent is not None and e.cpu_parent.name.startswith(OPERATOR_NAMESPACES)):
             continue
+        if in_compiled_region(e):
+            by[compiled_category(e.name)] += e.cpu_time_total / 1e6
+            region_ops += e.cpu_time_total / 1e6
+            continue
         by[categorize(python_frames(e), e.name)] += e.cpu_time_total / 1e6
+    if region:   # the compiled regions less their operators: inductor's kernels and guards
+        by["fused kernels (compiled)"] = max(region - region_ops, 0.0)
     ops = sum(by.values())
     by["python and dispatch (wall - operators)"] = max(wall - ops, 0.0)
     # the profiler's Python tracing inflates the Python share: the breakdown is of the
     # profiled wall time; the step time without the profiler comes first
     return {"wall_ms_per_step": round(1000 * plain_wall / steps, 3),
             "profiled_ms_per_step": round(1000 * wall / steps, 3),
+            "python_share": round(by["python and dispatch (wall - operators)"] / wall, 3),
             "ms_per_step": {k: round(1000 * v / steps, 3) for k, v in sorted(by.items())}}
+
+
+def add_roofline(row: dict, cfg, context: int, dtype: str, read_gb_s: float, peak_gflops: float) -> None:
+    """The decode step's roofline share (best possible ms over the measured ms)."""
+    from tandem.backends.models.config import DTYPE_BYTES
+    from tandem.client.bench.roofline import decode_work, roofline_ms
+    work = decode_work(cfg, row["batch"], context, DTYPE_BYTES[dtype])
+    bound = roofline_ms(work, read_gb_s, peak_gflops)
+    row["roofline"] = dict(context=context, mbytes=round(work.bytes / 1e6, 2),
+                           mflops=round(work.flops / 1e6, 1), bound_ms=round(bound, 3),
+                           bound="memory" if work.bytes / read_gb_s >= work.flops / peak_gflops else "compute",
+                           share=round(bound / row["wall_ms_per_step"], 3))
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.backends import LLM, SpeculativeConfig
+    from tandem.client.bench.roofline import matmul_peak_gflops, read_bandwidth_gb_s
     torch.set_num_threads(args.threads)
     report = header("profile", args)
+    report["read_gb_s"] = read_gb_s = round(read_bandwidth_gb_s(), 2)
+    report["matmul_peak_gflops"] = peak = round(matmul_peak_gflops(args.dtype), 1)
+    print(f"read bandwidth {read_gb_s} GB/s, {args.dtype} matmul peak {peak} GFLOPS "
+          f"({args.threads} thread(s))", flush=True)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(8)]
+    # the profiled window's mean context: prompt, 4 warm-up steps, the unprofiled steps
+    context = 48 + 4 + args.steps + args.steps // 2
+    modes = {"eager": dict(enforce_eager=True), "compiled": dict(compile="all")}
     rows = []
     for batch in args.batch_sizes:
         for kind, spec in (("decode", None),
                            ("verify", SpeculativeConfig("draft_target", args.k, draft_model=str(args.draft)))):
-            llm = LLM(args.target, dtype=args.dtype, speculative=spec, max_num_seqs=max(8, batch))
-            row = {"kind": kind, "batch": batch, **profile_steps(llm, prompts[:batch], args.steps,
-                                                                  new_tokens=2 * args.steps * (args.k + 1) + 8)}
-            rows.append(row)
-            print(f"{kind:<7} batch {batch}: {row['wall_ms_per_step']:.2f} ms/step "
-                  f"({row['profiled_ms_per_step']:.2f} profiled)  " +
-                  "  ".join(f"{k} {v}" for k, v in row["ms_per_step"].items()), flush=True)
+            for mode in args.modes.split(","):
+                llm = LLM(args.target, dtype=args.dtype, speculative=spec, max_num_seqs=max(8, batch),
+                          **modes[mode])
+                row = {"kind": kind, "mode": mode, "batch": batch,
+                       **profile_steps(llm, prompts[:batch], args.steps,
+                                       new_tokens=2 * args.steps * (args.k + 1) + 8)}
+                if kind == "decode":
+                    add_roofline(row, llm.engine.model.config, context, args.dtype, read_gb_s, peak)
+                rows.append(row)
+                roof = f"  roofline {row['roofline']['share']:.0%}" if "roofline" in row else ""
+                print(f"{kind:<7} {mode:<8} batch {batch}: {row['wall_ms_per_step']:.2f} ms/step "
+                      f"({row['profiled_ms_per_step']:.2f} profiled, python {row['python_share']:.0%}){roof}  " +
+                      "  ".join(f"{k} {v}" for k, v in row["ms_per_step"].items()), flush=True)
     report["rows"] = rows
     write(report, args.out)
     return 0

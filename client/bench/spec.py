@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs of every row, interleaved (each row once per repeat); the tables "
                         "show the median and the spread")
     p.add_argument("--compile", action="store_true",
-                   help="also plain and draft-target decoding with EngineConfig.compile (the CPU's "
-                        "compiled decode step for batches of 1 and 2): rows marked +compile")
+                   help="also plain and draft-target decoding with the CPU's compiled decode step "
+                        "(EngineConfig.compile='all'; the other rows run eagerly): rows marked +compile")
     p.add_argument("--draft-vocab-sizes", type=comma_list(positive_int, allow_empty=True), default="",
                    help="also the draft and the MTP head over their N most frequent tokens "
                         "(FR-Spec; comma-separated sizes, e.g. 1024,2048; needs "
@@ -64,11 +64,10 @@ def tandem_runner(target, dtype, prompts, new_tokens, speculative=None,
                   compile: bool = False) -> Callable[[], RunResult]:
     """An engine loaded and warmed up once; each call generates the batch again."""
     from tandem.backends import LLM, SamplingParams
-    llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)),
-              compile=compile)
+    mode = dict(compile="all") if compile else dict(enforce_eager=True)
+    llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)), **mode)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    # warm-up (with compile: the whole generation, so every page count is compiled)
-    llm.generate(prompts[:1], params if compile else SamplingParams(max_tokens=4, temperature=0.0))
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
 
     def run() -> RunResult:
         llm.engine.spec_metrics.reset()

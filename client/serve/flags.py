@@ -8,8 +8,8 @@ dataclass; nothing here names one.
 >>> from tandem.backends.triton.settings import EngineSettings
 >>> p = argparse.ArgumentParser()
 >>> add_flags(p, EngineSettings)
->>> s = from_args(EngineSettings, p.parse_args(["--page-size", "32", "--compile"]))
->>> (s.page_size, s.compile, s.kv_layout)
+>>> s = from_args(EngineSettings, p.parse_args(["--page-size", "32", "--enforce-eager"]))
+>>> (s.page_size, s.enforce_eager, s.kv_layout)
 (32, True, 'HND')
 >>> dests(EngineSettings)["--threads"]
 'torch_threads'
@@ -42,7 +42,7 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
     for f in flag_fields(cls):
         flag, default, kind = flag_of(f), default_of(f), str(f.type)
         kwargs: dict = dict(dest=f.name, default=default, help=flag.help or None)
-        if kind == "bool":   # a switch: --compile sets True; --no-supervise sets False
+        if kind == "bool":   # a switch: --enforce-eager sets True; --no-supervise sets False
             kwargs["action"] = "store_false" if default else "store_true"
         else:
             kwargs["type"] = _TYPES[kind]

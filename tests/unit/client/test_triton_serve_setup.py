@@ -512,12 +512,12 @@ def test_without_the_repository_api_a_dead_stub_restarts_the_server(tmp_path):
 
 
 def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint):
-    """--compile, --enforce-eager and --draft-vocab-size land in decode's and llm's
-    EngineConfig (and nowhere they would be ignored silently)."""
+    """--compile, --compile-cache-dir, --enforce-eager and --draft-vocab-size land in
+    decode's and llm's EngineConfig (and nowhere they would be ignored silently)."""
     from tandem.backends.triton.settings import EngineSettings
     options = ServeOptions.of(model_dir=str(demo_checkpoint), mode="both", spec_method="mtp",
-                           mtp_head=str(demo_checkpoint), compile=True, enforce_eager=True,
-                           draft_vocab_size=64)
+                           mtp_head=str(demo_checkpoint), compile="all", enforce_eager=True,
+                           compile_cache_dir=str(tmp_path / "ic"), draft_vocab_size=64)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
     for name in ("decode", "llm"):
         text = (repo / name / "config.pbtxt").read_text()
@@ -525,7 +525,10 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
         settings = EngineSettings.from_model_config(
             {"parameters": {k: {"string_value": v} for k, v in params.items()}})
         config = settings.engine_config()
-        assert (config.compile, config.enforce_eager) == (True, True), name
+        assert (config.compile, config.enforce_eager) == ("all", True), name
+        assert config.compile_cache_dir == str(tmp_path / "ic"), name
         assert config.speculative.draft_vocab_size == 64, name
     off = ServeOptions.of(model_dir=str(demo_checkpoint)).template_values()
-    assert (off["compile"], off["enforce_eager"], off["draft_vocab_size"]) == ("0", "0", "0")
+    assert (off["compile"], off["enforce_eager"], off["draft_vocab_size"]) == ("auto", "0", "0")
+    assert EngineSettings.from_model_config({"parameters": {"model_dir": {"string_value": "m"}}}) \
+        .engine_config().compile_cache_dir is None

@@ -91,29 +91,6 @@ def test_engine_with_graphed_decode_matches_hf(tiny_checkpoint, kv_layout):
     assert a.num_free == a.num_pages - 1               # all but the scratch page
 
 
-def test_compiled_decode_step_equals_the_eager_step(tiny_checkpoint):
-    """The CPU's compiled decode (torch.compile of the whole step, opt-in): same hidden
-    states and KV as the eager step, padding only in the scratch page."""
-    from tandem.backends.engine.compiled_decode import CompiledDecode
-    model = load_model(tiny_checkpoint, "float32")
-    cfg, page_size, num_pages = model.config, 4, 32
-    pools = [KVPagePool.for_model(cfg, num_pages, page_size, torch.float32, "HND", "cpu")
-             for _ in range(2)]
-    compiled = CompiledDecode(model, pools[1], scratch_page=num_pages - 1)
-    g = torch.Generator().manual_seed(0)
-    lens, lists = [6, 3], [[0, 1], [2]]
-    prefill = ForwardBatch([torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens],
-                           [0, 0], lists)
-    for pool in pools:
-        ModelRunner(model, pool).forward(prefill)
-    decode = ForwardBatch([[11], [12]], lens, lists)
-    _, eager = ModelRunner(model, pools[0]).forward(decode)
-    torch.testing.assert_close(compiled.forward(decode), eager, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(pools[1].kv[:, :3], pools[0].kv[:, :3], atol=1e-5, rtol=1e-5)
-    assert not pools[1].kv[:, 3:num_pages - 1].any()
-    assert compiled.forward(ForwardBatch([[5]] * 3, [0] * 3, [[4], [5], [6]])) is None   # > 2 rows
-
-
 def test_draft_decode_steps_replay_too(tiny_checkpoint):
     """With graphs the draft's k - 1 decode steps per speculative step replay as well."""
     from tandem.backends import SpeculativeConfig

@@ -1,0 +1,145 @@
+"""The CPU's compiled decode step (torch.compile, attention outside the graph): the same
+hidden states, KV and greedy tokens as the eager step, which buckets it keeps given
+warm-up timings, and the persistent compile cache it writes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.backends import LLM, SamplingParams, SpeculativeConfig
+from tandem.backends.engine import config as engine_config
+from tandem.backends.engine.compiled_decode import CompiledDecode, buckets_worth_compiling
+from tandem.backends.engine.model_runner import ForwardBatch, ModelRunner
+from tandem.backends.kv_cache import KVPagePool
+from tandem.backends.models import load_model
+
+from ..hf_reference import NEW_TOKENS, hf_greedy, prompts
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One inductor cache for the module: later compiles of a graph load it."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+@pytest.fixture
+def compiler_on(monkeypatch):
+    """Undo the test session's "no C++ compiler" (tests/conftest.py) for this test."""
+    monkeypatch.setattr(engine_config, "cxx_compiler", lambda: "c++")
+
+
+def _prefilled_pools(model, lens, page_size=4, num_pages=32):
+    """Two pools holding the same prefill of random prompts of ``lens`` tokens."""
+    cfg = model.config
+    pools = [KVPagePool.for_model(cfg, num_pages, page_size, torch.float32, "HND", "cpu")
+             for _ in range(2)]
+    g = torch.Generator().manual_seed(len(lens))
+    lists, nxt = [], 0
+    for n in lens:   # room for two decode tokens
+        count = (n + 2 + page_size - 1) // page_size
+        lists.append(list(range(nxt, nxt + count)))
+        nxt += count
+    prefill = ForwardBatch([torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens],
+                           [0] * len(lens), lists)
+    for pool in pools:
+        ModelRunner(model, pool).forward(prefill)
+    return pools, lists
+
+
+def test_compiled_step_equals_the_eager_step(tiny_checkpoint, compile_cache):
+    """Batches of 1 (its own graph) and 3 (the dynamic one), two steps each: hidden
+    states and every page's KV as the eager runner's, untouched pages untouched."""
+    model = load_model(tiny_checkpoint, "float32")
+    for lens in ([6], [6, 3, 13]):
+        pools, lists = _prefilled_pools(model, lens)
+        eager, compiled = ModelRunner(model, pools[0]), ModelRunner(model, pools[1])
+        steps = CompiledDecode(compiled, buckets=[1, 2, 4], cache_dir=compile_cache)
+        for step in range(2):
+            batch = ForwardBatch([[11 + i + step] for i in range(len(lens))],
+                                 [n + step for n in lens], lists)
+            want = eager.forward(batch)[1]
+            torch.testing.assert_close(steps.forward(batch), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pools[1].kv, pools[0].kv, atol=1e-5, rtol=1e-5)
+        used = {p for pages in lists for p in pages}
+        assert not pools[1].kv[:, [p for p in range(pools[1].num_pages) if p not in used]].any()
+
+
+def test_batches_it_does_not_take_run_eagerly(tiny_checkpoint, compile_cache):
+    model = load_model(tiny_checkpoint, "float32")
+    pool = KVPagePool.for_model(model.config, 16, 4, torch.float32, "HND", "cpu")
+    steps = CompiledDecode(ModelRunner(model, pool), buckets=[1, 2], cache_dir=compile_cache)
+    assert steps.forward(ForwardBatch([[5, 6]], [0], [[0]])) is None               # 2 new tokens
+    assert steps.forward(ForwardBatch([[5]] * 3, [0] * 3, [[0], [1], [2]])) is None  # > all buckets
+    steps.compiled = [2]                                                              # 1: eager faster
+    assert steps.forward(ForwardBatch([[5]], [0], [[0]])) is None
+    assert steps.forward(ForwardBatch([[5]] * 2, [0] * 2, [[0], [1]])) is not None
+
+
+def test_buckets_kept_where_compiled_measured_faster():
+    timings = {1: (5.0, 3.0), 2: (6.0, 4.0), 4: (8.0, 7.9), 8: (12.0, 13.0), 16: (20.0, 18.0)}
+    assert buckets_worth_compiling(timings) == [1, 2, 16]        # 4: within the noise margin
+    assert buckets_worth_compiling(timings, margin=1.0) == [1, 2, 4, 16]
+    assert buckets_worth_compiling({}) == []
+
+
+def test_warm_up_times_every_bucket_and_decides(tiny_checkpoint, compile_cache):
+    model = load_model(tiny_checkpoint, "float32")
+    pool = KVPagePool.for_model(model.config, 8, 4, torch.float32, "HND", "cpu")
+    steps = CompiledDecode(ModelRunner(model, pool), buckets=[1, 2, 4], cache_dir=compile_cache)
+    warm = steps.warm_up(scratch_page=7, rounds=1, steps=1)
+    assert sorted(warm.timings) == [1, 2, 4] and steps.compiled == warm.compiled
+    assert warm.compiled == buckets_worth_compiling(warm.timings)
+    assert not pool.kv[:, :7].any(), "warm-up wrote outside the scratch page"
+
+
+START = """
+import sys, torch
+from torch._dynamo.utils import counters
+from tandem.backends.engine.compiled_decode import CompiledDecode
+from tandem.backends.engine.model_runner import ModelRunner
+from tandem.backends.kv_cache import KVPagePool
+from tandem.backends.models import load_model
+model = load_model(sys.argv[1], "float32")
+pool = KVPagePool.for_model(model.config, 2, 4, torch.float32, "HND", "cpu")
+CompiledDecode(ModelRunner(model, pool), [1, 2], cache_dir=sys.argv[2]).warm_up(1, measure=False)
+print(counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"])
+"""
+
+
+def test_a_restart_loads_the_compiled_graphs_from_the_cache_dir(target_dir, tmp_path):
+    """Two starts in fresh processes: the first compiles both graphs (batch 1 and the
+    dynamic one) into ``cache_dir``, the second loads them from there."""
+    import subprocess
+    import sys
+    starts = [subprocess.run([sys.executable, "-c", START, str(target_dir), str(tmp_path)],
+                             capture_output=True, text=True, check=True).stdout.split()[-2:]
+              for _ in range(2)]
+    assert starts == [["2", "0"], ["0", "2"]]
+    assert any((tmp_path / "fxgraph").rglob("*")), "inductor's FX graph cache is not in cache_dir"
+
+
+@pytest.mark.parametrize("spec", [None, "draft_target"])
+def test_engine_with_compiled_decode_matches_hf(tiny_checkpoint, compile_cache, compiler_on, spec):
+    """Greedy tokens, fp32, every decode bucket compiled: exactly HF's (a shrinking batch
+    crosses buckets 8, 4, 2 and 1); with a draft its decode steps are compiled too."""
+    ref = hf_greedy(str(tiny_checkpoint))
+    speculative = None if spec is None else SpeculativeConfig(spec, 3, draft_model=str(tiny_checkpoint))
+    llm = LLM(tiny_checkpoint, dtype="float32", page_size=7, max_num_seqs=8, compile="all",
+              compile_cache_dir=compile_cache, speculative=speculative)
+    engine = llm.engine
+    assert isinstance(engine.decode_graphs, CompiledDecode) and engine.decode_graphs.compiled == [1, 2, 4, 8]
+    assert (getattr(engine.proposer, "fast_decode", None) is not None) == (spec is not None)
+    params = [SamplingParams(max_tokens=NEW_TOKENS - 3 * i, temperature=0.0) for i in range(8)]
+    outs = llm.generate(prompts(engine.model.config.vocab_size), params)
+    for i, out in enumerate(outs):
+        assert tuple(out.token_ids) == ref[i][:NEW_TOKENS - 3 * i], f"prompt {i} diverged from HF"
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1   # all but the scratch page
+
+
+def test_enforce_eager_and_no_compiler_run_eagerly(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(engine_config, "cxx_compiler", lambda: "c++")
+    assert LLM(tiny_checkpoint, dtype="float32", enforce_eager=True).engine.decode_graphs is None
+    monkeypatch.setattr(engine_config, "cxx_compiler", lambda: None)
+    assert LLM(tiny_checkpoint, dtype="float32").engine.decode_graphs is None
+    with pytest.raises(ValueError, match="compile='on'; allowed: auto, all"):
+        LLM(tiny_checkpoint, dtype="float32", compile="on")
