@@ -15,6 +15,7 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .guided import GuideCompiler, GuideState, apply_guides
 from .compiled_decode import CompiledDecode
 from .graph_runner import GraphedDecode, capture_sizes
 from .isolation import describe, isolate
@@ -118,6 +119,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.guides: GuideCompiler | None = None   # made on the first guided request
 
     def _make_prefix_caching(self, spec: SpeculativeConfig) -> PrefixCaching | None:
         """On when configured and the allocator caches (an external pool's may not)."""
@@ -232,10 +234,22 @@ class LLMEngine:
             frozenset() if params.ignore_eos else self.eos_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         controls = LogitsControls.build(params, ids, stop_ids, vocab,
-                                        self._bad_words(params.bad_words), self.config.device)
+                                        self._bad_words(params.bad_words), self.config.device,
+                                        self._guide(params, stop_ids))
         return Sequence(request_id=rid, prompt_ids=ids, params=params, stop_ids=stop_ids,
                         generator=gen, controls=controls,
                         logprobs=[] if params.logprobs else None)
+
+    def _guide(self, params: SamplingParams, stop_ids: frozenset[int]) -> GuideState | None:
+        """The request's grammar matcher (its guide compiled, or from the cache); raises
+        GuideError (a ValueError naming guided_decoding_guide) for a guide that does not
+        compile."""
+        if params.guided_decoding is None:
+            return None
+        if self.guides is None:
+            self.guides = GuideCompiler(self.tokenizer, self.model.config.vocab_size,
+                                        sorted(self.eos_ids))
+        return self.guides.matcher(params.guided_decoding, stop_ids)
 
     def _bad_words(self, words: list[str]) -> list[tuple[int, ...]]:
         """``bad_words`` as token id sequences (vLLM's tokenization), checked against
@@ -320,13 +334,13 @@ class LLMEngine:
         logits = self.runner.logits(hidden[[ptr[i + 1] - 1 for i, s in enumerate(scheduled)
                                             if s.samples]])
         sampling = [s.seq for s in scheduled if s.samples]
-        self._apply_controls(logits, sampling)
+        dead = self._apply_controls(logits, sampling)
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         logprobs = self._logprobs(logits, [[t] for t in tokens], sampling)
         for s in scheduled:
             s.seq.num_computed = s.end
-        outputs = [self._commit(seq, [tok], lp)
-                   for seq, tok, lp in zip(sampling, tokens, logprobs)]
+        outputs = [self._guide_ended(seq) if i in dead else self._commit(seq, [tok], lp)
+                   for i, (seq, tok, lp) in enumerate(zip(sampling, tokens, logprobs))]
         if self.proposer is not None:
             # prefill and mixed steps decode plainly; the proposer then sees what the target saw
             step_hidden: StepHidden = {s.seq.request_id: (starts[i], hidden[ptr[i]:ptr[i + 1]])
@@ -350,7 +364,7 @@ class LLMEngine:
             _, hidden = self.runner.forward(batch)
             logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
             # controls at each position, the drafts before it counted as output (lossless)
-            self._apply_controls(logits, seqs, drafts)
+            dead = self._apply_controls(logits, seqs, drafts)
             verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
                                                [s.generator for s in seqs])
             logprobs = self._logprobs(logits, [verified[i, :a + 1].tolist()
@@ -367,7 +381,13 @@ class LLMEngine:
             self.spec_metrics.record(accepted[i])
             s.record_drafts(k, accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
-            outputs.append(self._commit(s, verified[i, :accepted[i] + 1].tolist(), logprobs[i]))
+            # a guide left position dead[i] without a token: what came before it is
+            # kept, as plain decoding would have emitted it, then the sequence ends
+            n = min(accepted[i] + 1, dead.get(i, k + 1))
+            outputs.append(self._commit(s, verified[i, :n].tolist(), logprobs[i][:n]
+                                        if logprobs[i] is not None else None))
+            if n <= accepted[i] and not s.is_finished:
+                outputs.append(self._guide_ended(s))
             if not s.is_finished:
                 survivors.append(i)
         self._draft_verified = {}
@@ -386,15 +406,31 @@ class LLMEngine:
 
     @staticmethod
     def _apply_controls(logits: torch.Tensor, seqs: list[Sequence],
-                        drafts: torch.Tensor | None = None) -> None:
+                        drafts: torch.Tensor | None = None) -> dict[int, int]:
         """Logits controls on the rows ([B, V], or [B, n, V] in a speculative step) of
-        the requests that use one; nothing at all for a batch of plain requests."""
+        the requests that use one, then the guides' masks; nothing at all for a batch of
+        plain requests. Returns, per row whose guide leaves no token at a reachable
+        position, the first such position (see :func:`apply_guides`)."""
+        logits = logits if logits.dim() == 3 else logits[:, None]
         rows = [i for i, s in enumerate(seqs)
                 if s.controls is not None and s.controls.active(len(s.output_ids))]
         if rows:
-            apply_controls(logits if logits.dim() == 3 else logits[:, None], rows,
-                           [seqs[i].controls for i in rows], [seqs[i].output_ids for i in rows],
-                           drafts)
+            apply_controls(logits, rows, [seqs[i].controls for i in rows],
+                           [seqs[i].output_ids for i in rows], drafts)
+        guided = [i for i, s in enumerate(seqs) if s.controls is not None and s.controls.guide is not None]
+        if not guided:
+            return {}
+        return apply_guides(logits, guided, [seqs[i].controls.guide for i in guided], drafts)
+
+    def _guide_ended(self, seq: Sequence) -> RequestOutput:
+        """The guide allows no token that the request's other settings leave: a complete
+        output ends as "stop"; otherwise the request ends with an error that says why."""
+        if seq.controls.guide.completed:
+            return self._finish(seq, "stop")
+        return self._finish(seq, "error", error=(
+            f"guided decoding: after {len(seq.output_ids)} output tokens the guide allows no "
+            "token that the request's other settings (min_tokens, bad_words, logit_bias, "
+            "end_id or stop ids) leave possible; the output so far is incomplete"))
 
     def _draft_process(self, seqs: list[Sequence]):
         """Drafts from the controlled logits when the batch uses controls: only speed
@@ -441,7 +477,9 @@ class LLMEngine:
         for n, token in enumerate(tokens, 1):
             seq.append_token(token, None if logprobs is None else logprobs[n - 1])
             detok.add(token)
-            if token in seq.stop_ids or detok.stopped:
+            if token in seq.stop_ids or detok.stopped or (
+                    seq.controls is not None and seq.controls.guide is not None
+                    and seq.controls.guide.terminated):
                 return self._finish(seq, "stop", tokens[:n])
             if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 return self._finish(seq, "length", tokens[:n])

@@ -6,6 +6,9 @@ step applies them at each of its ``k + 1`` positions with the drafts before that
 position counted as output, so position ``j`` gets exactly the logits a plain step
 would get had the first ``j`` drafts been sampled: verification stays lossless.
 
+A guided request's grammar matcher (:mod:`.guided`) travels here too: it sees every
+committed token, and the engine masks its rows after these controls.
+
 Only a request that uses a control carries a :class:`LogitsControls`; a step whose
 batch has none calls nothing here. The maths are pure tensor functions over rows
 (``[N, V]``), applied in place to the rows that need them.
@@ -13,11 +16,14 @@ batch has none calls nothing here. The maths are pure tensor functions over rows
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from .guided import GuideState
 
 NEG_INF = float("-inf")
 
@@ -124,15 +130,18 @@ class LogitsControls:
     bias_values: torch.Tensor | None      # [M] fp32
     prompt_mask: torch.Tensor | None      # [V] bool, with penalties only
     output_counts: torch.Tensor | None    # [V] fp32, with penalties only
+    guide: GuideState | None = None       # structured output: the grammar matcher
 
     @classmethod
     def build(cls, params: SamplingParams, prompt_ids: list[int], stop_ids: frozenset[int],
               vocab_size: int, bad_words: list[tuple[int, ...]],
-              device: torch.device | str = "cpu") -> LogitsControls | None:
+              device: torch.device | str = "cpu",
+              guide: GuideState | None = None) -> LogitsControls | None:
         """The controls of a request, or None when it uses none (it then costs nothing).
         Its tensors live on ``device``, the logits'."""
         masks_stops = params.min_tokens > 0 and bool(stop_ids)
-        if not (params.has_penalties or masks_stops or bad_words or params.logit_bias):
+        if not (params.has_penalties or masks_stops or bad_words or params.logit_bias
+                or guide is not None):
             return None
         prompt_mask = output_counts = None
         if params.has_penalties:
@@ -146,21 +155,24 @@ class LogitsControls:
                                        device=device)
         return cls(params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
                    params.min_tokens, sorted(stop_ids), bad_words, bias_ids, bias_values,
-                   prompt_mask, output_counts)
+                   prompt_mask, output_counts, guide)
 
     @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None
 
     def active(self, num_generated: int) -> bool:
-        """Whether it changes the logits of the token after ``num_generated`` outputs
-        (min_tokens alone stops mattering once reached)."""
+        """Whether one of the controls above changes the logits of the token after
+        ``num_generated`` outputs (min_tokens alone stops mattering once reached; the
+        guide is applied apart)."""
         return (self.has_penalties or bool(self.bad_words) or self.bias_ids is not None
                 or num_generated < self.min_tokens)
 
     def append(self, token: int) -> None:
         if self.output_counts is not None:
             self.output_counts[token] += 1
+        if self.guide is not None:
+            self.guide.accept(token)
 
 
 # -- a step's rows --------------------------------------------------------------------

@@ -8,6 +8,44 @@ from dataclasses import dataclass, field
 # a subnormal temperature overflows to inf and the distribution to NaN
 SAMPLING_EPS = 1e-5
 
+# TensorRT-LLM's guided_decoding_guide_type values; "json" (any JSON value) needs no guide
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+MAX_GUIDE_CHARS = 1 << 20   # a guide is compiled; bound its text before that
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """Structured output: the text generated must be JSON (``json``), JSON valid against
+    the schema ``guide`` (``json_schema``), match the regex ``guide`` (``regex``) or be a
+    sentence of the EBNF grammar ``guide`` (``ebnf_grammar``, xgrammar's GBNF syntax with a
+    ``root`` rule).
+
+    >>> GuidedDecoding("regex", "[0-9]+").validate()
+    >>> GuidedDecoding("yaml", "").validate()
+    Traceback (most recent call last):
+    ...
+    ValueError: guided_decoding_guide_type='yaml' is invalid; allowed: one of json, json_schema, regex, ebnf_grammar
+    """
+    guide_type: str
+    guide: str = ""
+
+    def validate(self) -> None:
+        if self.guide_type not in GUIDE_TYPES:
+            raise ValueError(f"guided_decoding_guide_type={self.guide_type!r} is invalid; allowed: "
+                             f"one of {', '.join(GUIDE_TYPES)}")
+        if not isinstance(self.guide, str):
+            raise ValueError(f"guided_decoding_guide must be text, got {type(self.guide).__name__}")
+        if self.guide_type != "json" and not self.guide.strip():
+            raise ValueError(f"guided_decoding_guide is empty; guided_decoding_guide_type "
+                             f"{self.guide_type!r} needs one (a {GUIDE_NOUNS[self.guide_type]})")
+        if len(self.guide) > MAX_GUIDE_CHARS:
+            raise ValueError(f"guided_decoding_guide has {len(self.guide)} characters; allowed: up "
+                             f"to {MAX_GUIDE_CHARS}")
+
+
+GUIDE_NOUNS = {"json": "JSON", "json_schema": "JSON schema", "regex": "regular expression",
+               "ebnf_grammar": "EBNF grammar"}
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -30,6 +68,10 @@ class SamplingParams:
       space (as vLLM does); a one-token word is masked, a longer one has its last token
       masked when the output ends with the rest;
     - ``logit_bias``: token id -> a number added to its logit.
+
+    ``guided_decoding`` (:class:`GuidedDecoding`) masks, after those, every token the
+    guide does not allow next (structured output), in plain decoding and at every
+    verified position alike.
 
     ``logprobs`` returns each generated token's log-probability under the distribution
     it was sampled from, after all of that (greedy: the log-softmax of the processed
@@ -56,6 +98,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
+    guided_decoding: GuidedDecoding | None = None
     # not a sampling setting: prompts share cached KV only under the same salt (vLLM's
     # cache_salt), so tenants cannot probe each other's prompts through timing
     cache_salt: str | None = None
@@ -109,5 +152,9 @@ class SamplingParams:
                 "number")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", self.logprobs, "true or false")
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecoding):
+                bad("guided_decoding", self.guided_decoding, "a GuidedDecoding or None")
+            self.guided_decoding.validate()
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             bad("cache_salt", self.cache_salt, "a string or None")
