@@ -63,6 +63,12 @@ return_perf_metrics         BOOL    false        true: the KV cache, timing and 
                                                  outputs (TensorRT-LLM's) carry values
 cache_salt                  STRING  none         up to 256 characters: prompts share cached
                                                  KV only with the same salt
+guided_decoding_guide_type  STRING  none         json, json_schema, regex or ebnf_grammar:
+                                                 structured output (xgrammar)
+guided_decoding_guide       STRING  none         the schema, regex or EBNF grammar (not
+                                                 for json); compiled before anything is
+                                                 reserved, an invalid one refused with
+                                                 xgrammar's reason
 exclude_input_in_output     BOOL    false        text form only: false makes the
                                                  non-streaming text start with the
                                                  prompt (as in TensorRT-LLM); streaming
@@ -93,6 +99,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine import request_limits
+from ..engine.params import GUIDE_NOUNS, GUIDE_TYPES, MAX_GUIDE_CHARS, GuidedDecoding
 
 # name -> (Triton type, dims without the batch dimension); all optional
 SAMPLING_INPUTS = {
@@ -125,6 +132,9 @@ SAMPLING_INPUTS = {
     "return_finish_reason": ("TYPE_BOOL", [1]),
     "return_perf_metrics": ("TYPE_BOOL", [1]),
     "cache_salt": ("TYPE_STRING", [1]),
+    # TensorRT-LLM's guided decoding (structured output)
+    "guided_decoding_guide_type": ("TYPE_STRING", [1]),
+    "guided_decoding_guide": ("TYPE_STRING", [1]),
 }
 INPUTS = {"text_input": ("TYPE_STRING", [1]), "input_ids": ("TYPE_INT32", [-1]), **SAMPLING_INPUTS,
           "exclude_input_in_output": ("TYPE_BOOL", [1])}
@@ -172,6 +182,7 @@ class GenerateRequest:
     return_log_probs: bool = False
     return_perf_metrics: bool = False
     cache_salt: str | None = None
+    guided_decoding: GuidedDecoding | None = None
     exclude_input_in_output: bool = False
 
     def sampling_params(self, index: int = 0, tokenizer=None):
@@ -202,6 +213,7 @@ class GenerateRequest:
             logit_bias=logit_bias(self.embedding_bias, tokenizer),
             logprobs=self.return_log_probs,
             cache_salt=self.cache_salt,
+            guided_decoding=self.guided_decoding,
         )
 
 
@@ -317,6 +329,42 @@ def _cache_salt(get: GetInput) -> str | None:
     return salt or None
 
 
+def _guided_decoding(get: GetInput) -> GuidedDecoding | None:
+    """TensorRT-LLM's ``guided_decoding_guide_type`` and ``guided_decoding_guide``; its
+    compile (:func:`check_guide`) is the model's, which has the tokenizer."""
+    kind = scalar(get, "guided_decoding_guide_type")
+    guide = scalar(get, "guided_decoding_guide")
+    kind = None if kind is None else as_text(kind, "guided_decoding_guide_type").strip()
+    guide = None if guide is None else as_text(guide, "guided_decoding_guide")
+    if not kind:
+        if guide:
+            raise RequestError("guided_decoding_guide_type", f"is required with guided_decoding_guide; "
+                                                             f"allowed: {', '.join(GUIDE_TYPES)}")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise RequestError("guided_decoding_guide_type", f"got {kind!r}; allowed: {', '.join(GUIDE_TYPES)}")
+    if kind != "json" and not (guide or "").strip():
+        raise RequestError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r} "
+                                                    f"(a {GUIDE_NOUNS[kind]})")
+    if guide is not None and len(guide) > MAX_GUIDE_CHARS:
+        raise RequestError("guided_decoding_guide", f"has {len(guide)} characters; allowed: up to "
+                                                    f"{MAX_GUIDE_CHARS}")
+    return GuidedDecoding(kind, "" if kind == "json" else guide)
+
+
+def check_guide(req: GenerateRequest, compile_guide: Callable[[GuidedDecoding], object]) -> None:
+    """Compile the request's guide (``compile_guide``, e.g. a ``GuideCompiler``'s, which
+    caches) before anything is reserved: one that does not compile is refused naming
+    ``guided_decoding_guide`` with xgrammar's reason."""
+    if req.guided_decoding is None:
+        return
+    try:
+        compile_guide(req.guided_decoding)
+    except ValueError as e:
+        raise RequestError("guided_decoding_guide",
+                           str(e).removeprefix("guided_decoding_guide: ")) from None
+
+
 def _refused(get: GetInput, name: str, why: str) -> None:
     if flag(get, name, False):
         raise RequestError(name, f"not supported: {why}; allowed: false")
@@ -372,6 +420,7 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
         return_log_probs=flag(get, "return_log_probs", False),
         return_perf_metrics=flag(get, "return_perf_metrics", False),
         cache_salt=_cache_salt(get),
+        guided_decoding=_guided_decoding(get),
     )
 
 

@@ -9,7 +9,8 @@ reclaimed by lease.
 
 It is the gate before any page is reserved: it checks the whole token request with
 the parser ``decode`` uses (:func:`parse_token_request`), and that the request can ever
-fit the pool (prompt + ``max_tokens``: INVALID_ARG), so a request that decode would
+fit the pool (prompt + ``max_tokens``: INVALID_ARG) and that its structured-output
+guide compiles (xgrammar's reason: INVALID_ARG), so a request that decode would
 refuse never holds pages. A pool that is merely full answers UNAVAILABLE ("retry
 later").
 
@@ -35,7 +36,7 @@ import triton_python_backend_utils as pb_utils
 from ..engine.request_limits import LimitError, check_pool_fit, lookahead_slots
 from ..kv_cache.pages import pages_needed
 from .disagg_common import KV_DESCRIPTOR, LOCAL, NO_TRANSFER, as_bytes_tensor, pool_spec
-from .generate_request import RequestError, as_request_error, parse_token_request
+from .generate_request import RequestError, as_request_error, check_guide, parse_token_request
 from .inputs import input_getter
 from .metrics import Poller, TransferMetrics
 from .per_request import PerRequestModel, error_response
@@ -65,6 +66,7 @@ class TritonPythonModel(PerRequestModel):
         self.decode_board = None   # opened once decode has created it
         from tandem.backends.disagg.decode_load import InTransit
         self.in_transit = InTransit()
+        self.guides = None    # a GuideCompiler, made on the first guided request
         if config.faults is not None:
             pb_utils.Logger.log_warn(f"[kv_transfer] fault injection is on: {config.faults}")
 
@@ -77,6 +79,7 @@ class TritonPythonModel(PerRequestModel):
             parsed = parse_token_request(get, self.vocab_size, self.max_model_len)
             n = len(parsed.prompt)
             self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
+            check_guide(parsed, self._compile_guide)   # before a page is reserved
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         route = self._route(n, parsed.num_return_sequences)
@@ -91,6 +94,19 @@ class TritonPythonModel(PerRequestModel):
         self.metrics.routed(route.path, route.reason)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
+
+    def _compile_guide(self, guide):
+        """Compile (and cache) a guide as decode will: a bad one is refused here, before
+        a page is reserved for it."""
+        if self.guides is None:
+            from tandem.backends.engine.guided import GuideCompiler
+            from tandem.backends.models.tokenizer import generation_eos_ids, load_tokenizer
+            from tandem.backends.models.config import ModelConfig
+
+            s = self.settings
+            eos = ModelConfig.from_dir(s.model_dir).eos_token_ids + list(generation_eos_ids(s.model_dir))
+            self.guides = GuideCompiler(load_tokenizer(s.model_dir), self.vocab_size, eos)
+        return self.guides.compile(guide)
 
     def _route(self, prompt_len: int, num_sequences: int):
         """Where this prompt is prefilled: here in decode, or by the prefill side.
