@@ -44,7 +44,9 @@ SEED_MOD = 2 ** 64
 # the field an ensemble error names ("in ensemble 'tandem', max_tokens: got 0; ..."), as OpenAI names it
 _FIELD = re.compile(r"^(?:in ensemble '[^']*', )?([a-z_]+): ")
 OPENAI_NAMES = {"text_input": "prompt", "stop_words": "stop", "random_seed": "seed", "min_length": "min_tokens",
-                "return_log_probs": "logprobs"}
+                "return_log_probs": "logprobs", "guided_decoding_guide": "response_format",
+                "guided_decoding_guide_type": "response_format"}
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 
 
 def one(value, dtype) -> np.ndarray:
@@ -84,6 +86,14 @@ def ensemble_inputs(req: _Request, prompt: str, declared: frozenset[str] | set[s
             raise invalid("cache_salt", f"not supported by this server: ensemble {model!r} declares no "
                                         f"input {CACHE_SALT_INPUT!r}")
         arrays[CACHE_SALT_INPUT] = one(req.cache_salt.encode("utf-8"), np.object_)
+    guide = req.guide()
+    if guide is not None:
+        kind, text, field = guide
+        if not set(GUIDE_INPUTS) <= set(declared):
+            raise invalid(field, f"not supported by this server: ensemble {model!r} declares no input "
+                                 f"{GUIDE_INPUTS[0]!r}")
+        arrays[GUIDE_INPUTS[0]] = one(kind.encode(), np.object_)
+        arrays[GUIDE_INPUTS[1]] = one(text.encode("utf-8"), np.object_)
     if logprobs:
         if LOG_PROBS_INPUT not in declared:
             raise invalid("logprobs", f"not supported by this server: ensemble {model!r} declares no "

@@ -14,6 +14,7 @@ cannot honour are refused with a message that says so, never silently ignored
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -91,12 +92,87 @@ class _Request(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0)
     # vLLM's: prompts share cached KV (prefix caching) only with requests of the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # structured output: OpenAI's response_format (vLLM takes it on completions too) and
+    # vLLM's structured_outputs and guided_* extras
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     _stop_is_text = field_validator("stop")(utf8_text)
 
     def stop_words(self) -> list[str]:
         words = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [w for w in words if w]   # an empty stop string stops nothing (as TensorRT-LLM)
+
+    def guide(self) -> tuple[str, str, str] | None:
+        """The structured output asked for, as the ensemble's
+        ``(guided_decoding_guide_type, guided_decoding_guide)`` and the field that asked
+        for it; None for free text. At most one field may ask.
+
+        >>> CompletionRequest(model="m", prompt="x", guided_regex="[0-9]+").guide()
+        ('regex', '[0-9]+', 'guided_regex')
+        >>> ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+        ...                       response_format={"type": "json_object"}).guide()
+        ('json_schema', '{"type": "object"}', 'response_format')
+        """
+        asked = [g for g in (self._response_format(), *self._vllm_guides()) if g is not None]
+        if len(asked) > 1:
+            raise invalid(asked[1][2], f"{asked[0][2]} already asks for structured output; send one of "
+                                       f"{', '.join(g[2] for g in asked)}")
+        return asked[0] if asked else None
+
+    def _response_format(self) -> tuple[str, str, str] | None:
+        fmt = self.response_format
+        if not fmt:
+            return None
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":   # OpenAI's JSON mode: an object
+            return "json_schema", '{"type": "object"}', "response_format"
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise invalid("response_format", "json_schema needs {'json_schema': {'name': ..., "
+                                                 "'schema': {...}}} with the schema an object")
+            return "json_schema", json.dumps(schema), "response_format"
+        raise invalid("response_format", f"type {kind!r}; allowed: text, json_object, json_schema")
+
+    def _vllm_guides(self):
+        so = self.structured_outputs or {}
+        unknown = sorted(set(so) - {"json", "regex", "grammar", "choice", "json_object"})
+        if unknown:
+            raise invalid("structured_outputs", f"has {unknown}; allowed keys: json, regex, grammar, "
+                                                "choice, json_object")
+        for name, value, kind in (("guided_json", self.guided_json, "json"),
+                                  ("structured_outputs.json", so.get("json"), "json"),
+                                  ("guided_regex", self.guided_regex, "regex"),
+                                  ("structured_outputs.regex", so.get("regex"), "regex"),
+                                  ("guided_grammar", self.guided_grammar, "grammar"),
+                                  ("structured_outputs.grammar", so.get("grammar"), "grammar"),
+                                  ("guided_choice", self.guided_choice, "choice"),
+                                  ("structured_outputs.choice", so.get("choice"), "choice")):
+            if value is None:
+                continue
+            if kind == "json":
+                if not isinstance(value, (dict, str)):
+                    raise invalid(name, "allowed: a JSON schema (an object, or its text)")
+                yield "json_schema", value if isinstance(value, str) else json.dumps(value), name
+            elif kind == "choice":
+                if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+                    raise invalid(name, "allowed: a non-empty list of strings")
+                # one alternative per choice, each an EBNF string literal (JSON's escapes)
+                yield "ebnf_grammar", "root ::= " + " | ".join(json.dumps(c) for c in value), name
+            else:
+                if not isinstance(value, str) or not value.strip():
+                    raise invalid(name, "allowed: a non-empty string")
+                yield ("regex" if kind == "regex" else "ebnf_grammar"), value, name
+        if so.get("json_object"):
+            yield "json_schema", '{"type": "object"}', "structured_outputs.json_object"
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -106,6 +182,7 @@ class _Request(BaseModel):
             raise invalid("logit_bias", "not supported by Tandem's ensemble; send none")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
+        self.guide()     # a malformed response_format or guided_* field: 400 before anything is sent
 
 
 class CompletionRequest(_Request):
@@ -180,7 +257,6 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -189,8 +265,6 @@ class ChatCompletionRequest(_Request):
         self.common_unsupported()
         if self.tools:
             raise invalid("tools", "tool calls are not supported; send none")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if (self.top_logprobs or 0) > MAX_LOGPROBS:

@@ -53,7 +53,7 @@ def test_fields_tandem_cannot_honour_are_refused_not_ignored(fields, param):
 
 
 @pytest.mark.parametrize("fields,param", [(dict(tools=[{"type": "function"}]), "tools"),
-                                          (dict(response_format={"type": "json_object"}), "response_format"),
+                                          (dict(response_format={"type": "yaml"}), "response_format"),
                                           (dict(top_logprobs=1), "top_logprobs"),
                                           (dict(logprobs=True, top_logprobs=5), "top_logprobs")])
 def test_chat_fields_tandem_cannot_honour(fields, param):
