@@ -37,6 +37,7 @@ from .cancel_channel import CANCEL_TOKEN, CancelListener
 from .generate_request import RequestError, parse_token_request, scalar
 from .in_flight import InFlight
 from .metrics import EngineMetrics, Poller
+from .perf_outputs import PERF_OUTPUT_NAMES
 from .postprocess import PROMPT_ECHO
 from .reply_pump import ReplyPump
 from .response_arrays import ENGINE_OUTPUT_NAMES, string_array
@@ -231,9 +232,9 @@ REPLY_NAMES = (*ENGINE_OUTPUT_NAMES, CANCEL_TOKEN, PROMPT_ECHO)
 def reply_names(parsed, echo) -> tuple[str, ...]:
     """The outputs each reply of a stream carries. A client of this model gets every
     declared one. A text ensemble's step (preprocess sent ``prompt_echo``) feeds only
-    postprocess, which reads absent log probs, sequence index and echo as none, 0 and
-    "": those are left out when they would say just that (every tensor is copied four
-    times between here and the ensemble's response)."""
+    postprocess, which reads absent log probs, sequence index, echo and perf metrics as
+    none, 0, "" and zeros: those are left out when they would say just that (every
+    tensor is copied four times between here and the ensemble's response)."""
     if echo is None:
         return REPLY_NAMES
     skip = set()
@@ -243,6 +244,8 @@ def reply_names(parsed, echo) -> tuple[str, ...]:
         skip |= {"cum_log_probs", "output_log_probs"}
     if parsed.num_return_sequences == 1:
         skip.add("sequence_index")
+    if not parsed.return_perf_metrics:
+        skip |= set(PERF_OUTPUT_NAMES) - {"num_cached_tokens"}
     return tuple(n for n in REPLY_NAMES if n not in skip)
 
 

@@ -197,9 +197,13 @@ class Worker:
 
         from tandem.client.serve.options import ServeOptions
 
+        shim = os.environ.get(SHIM_ENV)
+        if shim:
+            _stubs_import_from(Path(shim))
+
         args = self.args
         prompts = prompt_texts(args.model, [args.prompt_tokens] * args.streams)
-        with work_dir("tandem-hops-") as work, ExitStack() as stack:
+        with work_dir("tandem-hops-", keep=bool(os.environ.get("TANDEM_HOPS_KEEP"))) as work, ExitStack() as stack:
             options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, mode="disaggregated",
                                       max_num_seqs=max(8, args.streams))
             server = start_server(stack, options, work / "server", attempts=2, log_file=work / "server.log")
@@ -220,6 +224,25 @@ class Worker:
         return 0
 
 
+SHIM_ENV = "TANDEM_HOPS_SHIM"
+
+
+def _stubs_import_from(shim: Path) -> None:
+    """Make the server's stubs import ``tandem`` from ``shim`` too: they do not read
+    ``PYTHONPATH``, but they put the Python backend's directory on ``sys.path``, where a
+    regular package wins over the editable install's finder."""
+    from tandem.client.serve.triton_server import TritonServer
+
+    launch = TritonServer._launch
+
+    def _launch(self):
+        link = Path(self._launch_args[1]) / "python" / "tandem"
+        if not link.exists():
+            link.symlink_to(shim / "tandem", target_is_directory=True)
+        launch(self)
+    TritonServer._launch = _launch
+
+
 def measure_round(round_fn, procs: dict[str, int]) -> dict:
     before = {hop: cpu_s(pid) for hop, pid in procs.items()}
     t0 = time.monotonic()
@@ -235,6 +258,7 @@ def start_worker(args, pythonpath: Path | None) -> subprocess.Popen:
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+        env[SHIM_ENV] = str(pythonpath)
     cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--streams", str(args.streams),
            "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--paths", args.paths,
            "--dtype", args.dtype]

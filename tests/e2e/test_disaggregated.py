@@ -104,7 +104,8 @@ def test_tandem_tokens_output_ids_equal_the_engine(server, reference, stream):
     _, responses = _stream(server, TOKENS, want.prompt_token_ids, stream=stream)
     assert [t for r in responses for t in r.output_ids] == want.token_ids
     assert "".join(r.text for r in responses) == want.text
-    assert len(responses) == (len(want.token_ids) if stream else 1)
+    # streamed: a response per step, or fewer when steps were merged behind a busy sender
+    assert (1 <= len(responses) <= len(want.token_ids)) if stream else len(responses) == 1
 
 
 def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(server, reference):

@@ -83,7 +83,11 @@ def test_stream_over_grpc_sends_step_responses_then_final(server, reference):
     assert [r.final for r in responses] == [False] * (len(responses) - 1) + [True]
     assert all(r.finish_reason == "" for r in responses[:-1])
     assert responses[-1].finish_reason in ("stop", "length")
-    assert [r.num_output_tokens for r in responses] == list(range(1, len(responses) + 1))
+    # one step per response, or several merged when the sender fell behind (reply_pump):
+    # the counts only grow, and the last one is every token
+    counts = [r.num_output_tokens for r in responses]
+    assert counts == sorted(set(counts)) and counts[0] >= 1
+    assert counts[-1] == len(greedy(reference, "def main():", 8).token_ids)
     assert responses[-1].num_input_tokens > 0
     assert "".join(r.text for r in responses) == greedy(reference, "def main():", 8).text
 
@@ -110,7 +114,8 @@ def test_llm_token_level_output_ids_equal_llm_generate(server, reference, stream
     assert [t for r in responses for t in r.output_ids] == want.token_ids
     assert "".join(r.text for r in responses) == want.text     # no prompt echo at token level
     assert responses[-1].num_input_tokens == len(want.prompt_token_ids)
-    assert len(responses) == (len(want.token_ids) if stream else 1)
+    # streamed: a response per step, or fewer when steps were merged behind a busy sender
+    assert (1 <= len(responses) <= len(want.token_ids)) if stream else len(responses) == 1
 
 
 @pytest.mark.parametrize("ids,max_tokens,error", [

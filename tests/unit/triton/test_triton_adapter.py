@@ -640,7 +640,7 @@ def test_an_ensemble_step_is_not_polled_for_cancellation(model):
 
 
 @pytest.mark.parametrize("extra", [{}, {"return_log_probs": True}, {"num_return_sequences": 2},
-                                   {"stream": False, "prompt_echo": "p:"}])
+                                   {"return_perf_metrics": True}, {"stream": False, "prompt_echo": "p:"}])
 def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, extra):
     """In a text ensemble (prompt_echo sent) a reply carries no empty echo, no log probs
     unless asked, no sequence index with one sample; postprocess answers the same."""
@@ -657,6 +657,7 @@ def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, ex
     left_out = {"prompt_echo"} if not flags["prompt_echo"] else set()
     left_out |= {"cum_log_probs", "output_log_probs"} if "return_log_probs" not in extra else set()
     left_out |= {"sequence_index"} if "num_return_sequences" not in extra else set()
+    left_out |= set(PERF_OUTPUT_NAMES) - {"num_cached_tokens"} if "return_perf_metrics" not in extra else set()
     for (a, _), (b, _) in zip(outputs(lean.sender), outputs(full.sender), strict=True):
         assert set(a) == (set(ENGINE_OUTPUT_NAMES) | {"cancel_token", "prompt_echo"}) - left_out
         b = {**b, "prompt_echo": np.array([[flags["prompt_echo"].encode()]], dtype=object)}
