@@ -9,8 +9,9 @@ stream. It still answers normally: in Triton 2.51 an ensemble step that fails wh
 the engine step is in flight leaks the ensemble request (see :mod:`.in_flight`), and
 the client already has its CANCELLED. A stream's replies are asked about at most once
 per 50 ms (:class:`~.postprocess.CancelChecks`): each ask is a round trip to the server.
-Not decoupled, one response per request (the dynamic batcher may hand it several at
-once), no torch work.
+Not decoupled, one response per request, not batched (Triton's dynamic batcher
+finishes a cancelled request without executing it: the cancellation would never show
+here), no torch work.
 """
 from __future__ import annotations
 
