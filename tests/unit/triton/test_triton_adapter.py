@@ -667,6 +667,18 @@ def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, ex
             assert a_out[name].tolist() == b_out[name].tolist(), name
 
 
+def test_postprocess_is_not_dynamically_batched():
+    """Triton's dynamic batcher finishes a cancelled request without executing it, so a
+    batched postprocess would never see the client's cancellation it carries to the
+    engine (an e2e cancellation test caught it: the engine never aborted)."""
+    from pathlib import Path
+
+    config = (Path(__file__).resolve().parents[3] / "model_repository/postprocess/config.pbtxt").read_text()
+    lines = [line.split("#")[0] for line in config.splitlines()]
+    assert not any("dynamic_batching" in line for line in lines)
+    assert "max_batch_size: 1" in lines
+
+
 def test_finished_requests_are_not_polled(model):
     engine = FakeEngine.instances[-1]
     request = token_request()
