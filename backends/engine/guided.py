@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -234,35 +235,60 @@ class GuideState:
                 self.matcher.rollback(accepted)
 
 
+@dataclass(slots=True)
+class GuideMasks:
+    """A step's token bitmasks: one row per (batch row, position) of the logits
+    (``[B * n, ceil(V / 32)]`` int32, all ones where nothing is masked) and the flat rows
+    to apply them to (the reachable positions of guided rows)."""
+    bitmask: torch.Tensor
+    flat_rows: list[int]
+    n: int
+
+
+def fill_guides(batch: int, n: int, vocab_size: int, rows: list[int], guides: list[GuideState],
+                ahead: list[list[int]]) -> GuideMasks:
+    """The bitmasks of the guided ``rows`` at ``n`` positions each, position ``j`` after
+    the output and ``ahead[i][:len(ahead[i]) - n + 1 + j]``. Only xgrammar works here (it
+    releases the GIL), so the engine fills them on a thread while the model runs."""
+    bitmask = torch.full((batch * n, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    flat_rows = []
+    for row, guide, tokens in zip(rows, guides, ahead):
+        reachable = guide.fill(bitmask, row * n, tokens, n)
+        flat_rows += [row * n + j for j in range(n) if reachable[j]]
+    return GuideMasks(bitmask, flat_rows, n)
+
+
 @torch.inference_mode()
-def apply_guides(logits: torch.Tensor, rows: list[int], guides: list[GuideState],
-                 drafts: torch.Tensor | None = None) -> dict[int, int]:
-    """Mask the logits of the guided ``rows`` of ``logits`` [B, n, V] in place at each
-    position (``drafts`` [B, m] as in :func:`~.logits_processors.apply_controls`).
+def mask_logits(logits: torch.Tensor, masks: GuideMasks) -> dict[int, int]:
+    """Apply ``masks`` to ``logits`` [B, n, V] in place.
 
     Returns, per row whose guide leaves a reachable position without an allowed token
     (other controls may have removed the rest), the first such position; that row and
     those after it are set to zeros (finite, never used: the engine ends the sequence
     there)."""
-    b, n, v = logits.shape
     import xgrammar as xgr
 
-    bitmask = torch.full((b * n, bitmask_words(v)), -1, dtype=torch.int32)
-    ahead = drafts[rows].tolist() if drafts is not None else [[] for _ in rows]
-    flat_rows = []
-    for i, (row, guide) in enumerate(zip(rows, guides)):
-        reachable = guide.fill(bitmask, row * n, ahead[i], n)
-        flat_rows += [row * n + j for j in range(n) if reachable[j]]
-    if not flat_rows:
+    b, n, v = logits.shape
+    if not masks.flat_rows:
         return {}
     flat = logits.view(b * n, v)
-    xgr.apply_token_bitmask_inplace(flat, bitmask.to(flat.device, non_blocking=True),
-                                    vocab_size=v, indices=flat_rows)
-    finite = torch.isfinite(flat[flat_rows].amax(-1)).tolist()
+    xgr.apply_token_bitmask_inplace(flat, masks.bitmask.to(flat.device, non_blocking=True),
+                                    vocab_size=v, indices=masks.flat_rows)
+    finite = torch.isfinite(flat[masks.flat_rows].amax(-1)).tolist()
     dead: dict[int, int] = {}
-    for r, ok in zip(flat_rows, finite):
+    for r, ok in zip(masks.flat_rows, finite):
         if not ok and r // n not in dead:
             dead[r // n] = r % n
     for row, j in dead.items():
         logits[row, j:] = 0.0
     return dead
+
+
+def apply_guides(logits: torch.Tensor, rows: list[int], guides: list[GuideState],
+                 drafts: torch.Tensor | None = None) -> dict[int, int]:
+    """Mask the logits of the guided ``rows`` of ``logits`` [B, n, V] in place at each
+    position (``drafts`` [B, m] as in :func:`~.logits_processors.apply_controls`); returns
+    the dead positions as :func:`mask_logits` does."""
+    b, n, v = logits.shape
+    ahead = drafts[rows].tolist() if drafts is not None else [[] for _ in rows]
+    return mask_logits(logits, fill_guides(b, n, v, rows, guides, ahead))

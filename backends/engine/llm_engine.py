@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -15,7 +16,7 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .guided import GuideCompiler, GuideState, apply_guides
+from .guided import GuideCompiler, GuideState, fill_guides, mask_logits
 from .compiled_decode import CompiledDecode
 from .graph_runner import GraphedDecode, capture_sizes
 from .isolation import describe, isolate
@@ -120,6 +121,7 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.guides: GuideCompiler | None = None   # made on the first guided request
+        self._guide_masks: ThreadPoolExecutor | None = None   # fills masks while the model runs
 
     def _make_prefix_caching(self, spec: SpeculativeConfig) -> PrefixCaching | None:
         """On when configured and the allocator caches (an external pool's may not)."""
@@ -329,12 +331,17 @@ class LLMEngine:
         starts = [s.start for s in scheduled]
         batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled], starts,
                              [s.seq.pages for s in scheduled])
-        hidden = self._forward(batch)
-        ptr = list(itertools.accumulate(batch.qo_lens, initial=0))
-        logits = self.runner.logits(hidden[[ptr[i + 1] - 1 for i, s in enumerate(scheduled)
-                                            if s.samples]])
         sampling = [s.seq for s in scheduled if s.samples]
-        dead = self._apply_controls(logits, sampling)
+        masks = self._start_guides(sampling, 1)
+        try:
+            hidden = self._forward(batch)
+            ptr = list(itertools.accumulate(batch.qo_lens, initial=0))
+            logits = self.runner.logits(hidden[[ptr[i + 1] - 1 for i, s in enumerate(scheduled)
+                                                if s.samples]])
+            dead = self._apply_controls(logits, sampling, masks=masks)
+        finally:
+            if masks is not None:
+                wait([masks])      # a failed step leaves no fill running on a matcher
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         logprobs = self._logprobs(logits, [[t] for t in tokens], sampling)
         for s in scheduled:
@@ -355,8 +362,10 @@ class LLMEngine:
         prefix plus one target token, roll the rejected KV back."""
         k = self.num_speculative_tokens
         before = [replace(s.draft) for s in seqs]
+        masks = None
         try:
             drafts = self.proposer.propose(seqs, k, self._draft_process(seqs))
+            masks = self._start_guides(seqs, k + 1, drafts)
             starts = [s.num_computed for s in seqs]
             batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
                                   for s, d in zip(seqs, drafts.tolist())], starts,
@@ -364,7 +373,7 @@ class LLMEngine:
             _, hidden = self.runner.forward(batch)
             logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
             # controls at each position, the drafts before it counted as output (lossless)
-            dead = self._apply_controls(logits, seqs, drafts)
+            dead = self._apply_controls(logits, seqs, drafts, masks)
             verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
                                                [s.generator for s in seqs])
             logprobs = self._logprobs(logits, [verified[i, :a + 1].tolist()
@@ -372,6 +381,8 @@ class LLMEngine:
         except Exception:
             for s, draft in zip(seqs, before):   # proposing advanced the drafts' caches
                 s.draft = draft
+            if masks is not None:
+                wait([masks])
             raise
         outputs, survivors = [], []
         # a request finishing in this step publishes only the proposer KV that was
@@ -404,23 +415,38 @@ class LLMEngine:
             return outputs
         return outputs + isolate(survivors, after_verify, lambda i, exc: self._fail(seqs[i], exc))
 
-    @staticmethod
-    def _apply_controls(logits: torch.Tensor, seqs: list[Sequence],
-                        drafts: torch.Tensor | None = None) -> dict[int, int]:
+    def _start_guides(self, seqs: list[Sequence], n: int,
+                      drafts: torch.Tensor | None = None) -> Future | None:
+        """The guided rows' bitmasks at ``n`` positions each, filled on a thread while the
+        model runs (xgrammar releases the GIL); None when no row is guided."""
+        rows = [i for i, s in enumerate(seqs) if s.controls is not None and s.controls.guide is not None]
+        if not rows:
+            return None
+        if self._guide_masks is None:
+            self._guide_masks = ThreadPoolExecutor(1, thread_name_prefix="tandem-guide-masks")
+        ahead = drafts[rows].tolist() if drafts is not None else [[] for _ in rows]
+        return self._guide_masks.submit(fill_guides, len(seqs), n, self.model.config.vocab_size, rows,
+                                        [seqs[i].controls.guide for i in rows], ahead)
+
+    def _apply_controls(self, logits: torch.Tensor, seqs: list[Sequence],
+                        drafts: torch.Tensor | None = None,
+                        masks: Future | None = None) -> dict[int, int]:
         """Logits controls on the rows ([B, V], or [B, n, V] in a speculative step) of
         the requests that use one, then the guides' masks; nothing at all for a batch of
-        plain requests. Returns, per row whose guide leaves no token at a reachable
-        position, the first such position (see :func:`apply_guides`)."""
+        plain requests (``masks``: the guides' bitmasks from :meth:`_start_guides`; filled
+        here without). Returns, per row whose guide leaves no token at a reachable
+        position, the first such position (see :func:`mask_logits`)."""
         logits = logits if logits.dim() == 3 else logits[:, None]
         rows = [i for i, s in enumerate(seqs)
                 if s.controls is not None and s.controls.active(len(s.output_ids))]
         if rows:
             apply_controls(logits, rows, [seqs[i].controls for i in rows],
                            [seqs[i].output_ids for i in rows], drafts)
-        guided = [i for i, s in enumerate(seqs) if s.controls is not None and s.controls.guide is not None]
-        if not guided:
+        if masks is None:
+            masks = self._start_guides(seqs, logits.shape[1], drafts)
+        if masks is None:
             return {}
-        return apply_guides(logits, guided, [seqs[i].controls.guide for i in guided], drafts)
+        return mask_logits(logits, masks.result())
 
     def _guide_ended(self, seq: Sequence) -> RequestOutput:
         """The guide allows no token that the request's other settings leave: a complete

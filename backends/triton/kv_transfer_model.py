@@ -104,7 +104,7 @@ class TritonPythonModel(PerRequestModel):
             from tandem.backends.models.config import ModelConfig
 
             s = self.settings
-            eos = ModelConfig.from_dir(s.model_dir).eos_token_ids + list(generation_eos_ids(s.model_dir))
+            eos = [*ModelConfig.from_dir(s.model_dir).eos_token_ids, *generation_eos_ids(s.model_dir)]
             self.guides = GuideCompiler(load_tokenizer(s.model_dir), self.vocab_size, eos)
         return self.guides.compile(guide)
 
