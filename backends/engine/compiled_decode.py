@@ -20,6 +20,7 @@ near-ties.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch
 
 from .graph_runner import padded_size
 from .model_runner import ForwardBatch, ModelRunner, PagedAttention
+
+log = logging.getLogger(__name__)
 
 # compiled must beat eager by this factor to be kept (the timings are noisy)
 KEEP_MARGIN = 0.95
@@ -116,10 +119,12 @@ class WarmUp:
 
 
 def _ms_per_step(fn, steps: int) -> float:
-    start = time.perf_counter()
+    """CPU ms (the process's CPU time: on a busy host wall time would time the other
+    processes as well, and decide by noise)."""
+    start = time.process_time()
     for _ in range(steps):
         fn()
-    return 1000 * (time.perf_counter() - start) / steps
+    return 1000 * (time.process_time() - start) / steps
 
 
 class CompiledDecode:
@@ -175,7 +180,13 @@ class CompiledDecode:
         for bucket in self.buckets:
             batch = ForwardBatch([[0]] * bucket, [0] * bucket, [[scratch_page]] * bucket)
             compiled = lambda: self.run(batch)
-            compiled()
+            try:
+                compiled()
+            except Exception:   # e.g. no working compiler, or a cache entry left torn by a kill
+                log.exception("compiling the decode step failed; decoding eagerly (if the cache "
+                              "is damaged, remove %s)", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+                self.compiled = []
+                break
             if not measure:
                 continue
             eager = lambda: self.runner.forward(batch)
@@ -183,7 +194,7 @@ class CompiledDecode:
             runs = [(_ms_per_step(eager, steps), _ms_per_step(compiled, steps))
                     for _ in range(rounds)]        # interleaved; the fastest round of each
             timings[bucket] = (min(e for e, _ in runs), min(c for _, c in runs))
-        if measure:
+        if measure and self.compiled:
             self.compiled = buckets_worth_compiling(timings)
         self.warmed = WarmUp(time.perf_counter() - start, timings, list(self.compiled))
         return self.warmed

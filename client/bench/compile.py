@@ -1,6 +1,7 @@
 """Does ``torch.compile`` pay on this CPU, and which paged attention is fastest?
 
-Three tables. **step**: one decode step of the target (the KV of a 150-token context,
+Three tables, in CPU ms (the process's CPU time, which the other tenants of a shared
+host do not inflate as they do wall time). **step**: one decode step of the target (the KV of a 150-token context,
 one thread, each dtype), the engine's eager step (``ModelRunner.forward`` and the
 logits) against the compiled one (``engine/compiled_decode.py``: inductor's graph of the
 layers, attention through the opaque op), interleaved repeats. **start**: an engine's
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import positive_int, positive_ints
+from tandem.client.bench.args import names, positive_int, positive_ints
 from tandem.client.bench.repeats import fmt, spread
 from tandem.client.bench.report import header, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -34,7 +35,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", type=names("float32", "bfloat16"), default="float32,bfloat16")
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
     p.add_argument("--context", type=positive_int, default=150, help="tokens already in each sequence's KV")
     p.add_argument("--steps", type=positive_int, default=100)
@@ -45,12 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def ms_per_call(fn, steps: int) -> float:
+    """CPU ms per call (the process's CPU time: on a shared host wall time mostly
+    measures the other tenants; with one torch thread it is the step's own time)."""
     for _ in range(3):
         fn()
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(steps):
         fn()
-    return 1000 * (time.perf_counter() - start) / steps
+    return 1000 * (time.process_time() - start) / steps
 
 
 def interleaved(variants: dict, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -91,9 +94,22 @@ def step_rows(args, dtype: str, cache_dir: str) -> list[dict]:
                    eager_ms=spread(runs["eager"]), compiled_ms=spread(runs["compiled"]),
                    compiled_over_eager=spread([c / e for c, e in zip(runs["compiled"], runs["eager"])]))
         rows.append(row)
-        print(f"step {dtype} batch {batch}: eager {fmt(row['eager_ms'], 3)} ms  compiled "
+        print(f"step {dtype} decode batch {batch}: eager {fmt(row['eager_ms'], 3)} ms  compiled "
               f"{fmt(row['compiled_ms'], 3)} ms  compiled/eager {fmt(row['compiled_over_eager'], 2)}  "
               f"first call {compile_s:.1f} s", flush=True)
+    # prefill chunks go through the same dynamic graph: does it pay there too?
+    for chunk in (128, 512):
+        fb = ForwardBatch([[5] * chunk], [0], [list(range(-(-chunk // page_size)))])
+        with torch.inference_mode():
+            runs = interleaved({"eager": lambda: runner.forward(fb),
+                                "compiled": lambda: compiled.run(fb)},
+                               max(3, args.steps // 10), args.repeats)
+        row = dict(dtype=dtype, prefill_tokens=chunk, eager_ms=spread(runs["eager"]),
+                   compiled_ms=spread(runs["compiled"]),
+                   compiled_over_eager=spread([c / e for c, e in zip(runs["compiled"], runs["eager"])]))
+        rows.append(row)
+        print(f"step {dtype} prefill {chunk} tokens: eager {fmt(row['eager_ms'], 3)} ms  compiled "
+              f"{fmt(row['compiled_ms'], 3)} ms  compiled/eager {fmt(row['compiled_over_eager'], 2)}", flush=True)
     return rows
 
 
@@ -227,7 +243,7 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     from tandem.backends.engine.compiled_decode import default_cache_dir
     report = dict(**header("compile", args), step=[], start=[], attention=[])
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes:
         report["step"] += step_rows(args, dtype, default_cache_dir())
         report["attention"] += attention_rows(args, dtype)
         if not args.skip_start:

@@ -47,11 +47,11 @@ def test_an_option_defaults_to_its_field(cls):
 
 def test_parsed_options_become_the_settings_again():
     args = build_parser("serve").parse_args(
-        ["serve", "--model", "/m", "--threads", "3", "--spec", "ngram", "--k", "4", "--compile",
-         "--mode", "both", "--ensemble-name", "ensemble", "--grpc-port", "9001", "--no-supervise"])
+        ["serve", "--model", "/m", "--threads", "3", "--spec", "ngram", "--k", "4", "--compile", "all",
+         "--enforce-eager", "--mode", "both", "--ensemble-name", "ensemble", "--grpc-port", "9001", "--no-supervise"])
     engine = flags.from_args(EngineSettings, args)
     assert (engine.model_dir, engine.torch_threads, engine.spec_method, engine.num_speculative_tokens,
-            engine.compile) == ("/m", 3, "ngram", 4, True)
+            engine.compile, engine.enforce_eager) == ("/m", 3, "ngram", 4, "all", True)
     options = flags.from_args(ServeOptions, args, engine=engine)
     assert (options.mode, options.ensemble_name, options.engine) == ("both", "ensemble", engine)
     server = flags.from_args(TritonServer, args, options=options)

@@ -92,6 +92,18 @@ def test_warm_up_times_every_bucket_and_decides(tiny_checkpoint, compile_cache):
     assert not pool.kv[:, :7].any(), "warm-up wrote outside the scratch page"
 
 
+def test_a_failing_compile_leaves_the_engine_eager(tiny_checkpoint, compile_cache):
+    model = load_model(tiny_checkpoint, "float32")
+    pool = KVPagePool.for_model(model.config, 8, 4, torch.float32, "HND", "cpu")
+    steps = CompiledDecode(ModelRunner(model, pool), buckets=[1, 2], cache_dir=compile_cache)
+
+    def broken(*args):
+        raise ImportError("c2av.main.so: file too short")   # a cache entry torn by a kill
+    steps.step = broken
+    assert steps.warm_up(scratch_page=7).compiled == []
+    assert steps.forward(ForwardBatch([[5]], [0], [[0]])) is None
+
+
 START = """
 import sys, torch
 from torch._dynamo.utils import counters
