@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.report import header, write
 
 DEMO = Path("checkpoints/demo")
@@ -31,7 +31,7 @@ SCHEMA = {"type": "object", "required": ["id", "tags"],
                          "tags": {"type": "array", "minItems": 12, "maxItems": 12,
                                   "items": {"type": "string", "maxLength": 6}}}}
 REGEX = r"[a-z]{2,8}(\.[a-z]{2,8}){0,2}@[a-z]{2,10}\.(com|org|net)"
-EBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]+ "=" [0-9] [0-9]?'
+EBNF = 'root ::= "[" item ("," item){0,7} "]"\nitem ::= [a-z]{1,8} "=" [0-9] [0-9]?'
 GUIDES = {"json_schema": json.dumps(SCHEMA), "regex": REGEX, "ebnf_grammar": EBNF, "json": ""}
 PROMPTS = ["def main():", "import os\n", "class Path:", "# settings\n", "    return", "x = "]
 
@@ -40,7 +40,7 @@ def valid(kind: str, text: str) -> bool:
     if kind == "regex":
         return re.fullmatch(REGEX, text) is not None
     if kind == "ebnf_grammar":
-        return re.fullmatch(r"\[[a-z]+=[0-9][0-9]?(,[a-z]+=[0-9][0-9]?)*\]", text) is not None
+        return re.fullmatch(r"\[[a-z]{1,8}=[0-9][0-9]?(,[a-z]{1,8}=[0-9][0-9]?){0,7}\]", text) is not None
     try:
         value = json.loads(text)
     except ValueError:
@@ -62,8 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds per row")
-    p.add_argument("--samples", type=int, default=200, help="outputs per guide type (0: no validity run)")
+    p.add_argument("--samples", type=non_negative_int, default=200, help="outputs per guide type (0: no validity run)")
     p.add_argument("--validity-method", choices=METHODS, default="draft_target")
+    p.add_argument("--validity-batch", type=positive_int, default=16, help="samples generated at once")
+    p.add_argument("--validity-max-tokens", type=positive_int, default=192)
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
@@ -140,13 +142,14 @@ def validity(args) -> list[dict]:
     from tandem.backends.engine.params import GuidedDecoding
 
     llm = LLM(str(args.target), dtype=args.dtype, speculative=speculative(args, args.validity_method),
-              max_num_seqs=8)
+              max_num_seqs=args.validity_batch)
     rows = []
     for kind, guide in GUIDES.items():
-        params = SamplingParams(max_tokens=256, temperature=1.0, guided_decoding=GuidedDecoding(kind, guide))
+        params = SamplingParams(max_tokens=args.validity_max_tokens, temperature=1.0,
+                                guided_decoding=GuidedDecoding(kind, guide))
         outs = []
-        for start in range(0, args.samples, 8):
-            n = min(8, args.samples - start)
+        for start in range(0, args.samples, args.validity_batch):
+            n = min(args.validity_batch, args.samples - start)
             outs += llm.generate([PROMPTS[(start + i) % len(PROMPTS)] for i in range(n)], params)
         ended = [o for o in outs if o.finish_reason == "stop"]
         row = dict(guide_type=kind, method=args.validity_method, samples=len(outs), ended=len(ended),
@@ -154,7 +157,7 @@ def validity(args) -> list[dict]:
                    examples=[o.text for o in ended[:2]])
         rows.append(row)
         print(f"{kind:>12}: {row['valid']}/{row['ended']} valid of {row['samples']} "
-              f"({row['cut_by_max_tokens']} cut by max_tokens=256)", flush=True)
+              f"({row['cut_by_max_tokens']} cut by max_tokens={args.validity_max_tokens})", flush=True)
     return rows
 
 
@@ -162,7 +165,7 @@ def run(args) -> int:
     import torch
     torch.set_num_threads(args.threads)
     report = header("guided", args)
-    report["latency"] = latency(args)
+    report["latency"] = latency(args) if args.methods else []
     report["validity"] = validity(args) if args.samples else []
     write(report, args.out)
     print(f"wrote {args.out}")
