@@ -216,3 +216,17 @@ def test_caching_off_keeps_the_plain_allocator(target_dir):
     from tandem.backends.kv_cache import PageAllocator
     llm = LLM(target_dir, dtype="float32", page_size=PAGE, enable_prefix_caching=False)
     assert llm.engine.prefix is None and isinstance(llm.engine.allocator, PageAllocator)
+
+
+@pytest.mark.parametrize("n,hit", [(1, 0), (8, 0), (9, 8), (40, 32), (41, 40)])
+def test_the_last_prompt_token_is_always_recomputed(target_dir, n, hit):
+    """A hit stops at the last full page before the prompt's last token (a page holding
+    it is recomputed whole: a shared page is never written)."""
+    llm = LLM(target_dir, dtype="float32", page_size=PAGE)
+    first = llm.generate(BASE[:n], GREEDY)[0]
+    rid = llm.engine.add_request(BASE[:n], GREEDY)
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += [o for o in llm.engine.step() if o.request_id == rid]
+    assert outs[-1].num_cached_tokens == hit
+    assert [t for o in outs for t in o.new_token_ids] == first.token_ids
