@@ -4,14 +4,15 @@ standard library only (asyncio sockets, HTTP/1.1 chunked bodies, server-sent eve
 so that the client costs every server the same and adds no dependency.
 
 Per request it records the time to the first text, the gap before every later
-chunk that carries text, and the completion tokens the final usage chunk reports.
+chunk that carries text, the reply's text, and the completion, prompt and cached prompt
+tokens the final usage chunk reports.
 
 >>> p = SSEParser(); p.feed(b'data: {"choices": [{"text": "a"}]}\\n\\nda')
 ['{"choices": [{"text": "a"}]}']
 >>> p.feed(b'ta: [DONE]\\n\\n')
 ['[DONE]']
 >>> parse_event('{"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}')
-Event(text='hi', finish_reason=None, completion_tokens=None, error=None)
+Event(text='hi', finish_reason=None, completion_tokens=None, error=None, prompt_tokens=None, cached_tokens=None)
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class Event:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None     # usage.prompt_tokens_details.cached_tokens, when reported
 
 
 def parse_event(payload: str) -> Event | None:
@@ -93,6 +96,8 @@ def parse_event(payload: str) -> Event | None:
     usage = obj.get("usage")
     if usage:
         ev.completion_tokens = usage.get("completion_tokens")
+        ev.prompt_tokens = usage.get("prompt_tokens")
+        ev.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return ev
 
 
@@ -106,6 +111,9 @@ class StreamResult:
     chunk_s: list[float] = field(default_factory=list)
     completion_tokens: int | None = None
     error: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str = ""           # the reply, which a chat client sends back in its next turn
 
     @property
     def ttft_s(self) -> float | None:
@@ -163,8 +171,10 @@ async def _stream(host: str, port: int, body: dict, res: StreamResult) -> None:
                     return
                 if ev.text:
                     res.chunk_s.append(now - res.start)
+                    res.text += ev.text
                 if ev.completion_tokens is not None:
                     res.completion_tokens = ev.completion_tokens
+                    res.prompt_tokens, res.cached_tokens = ev.prompt_tokens, ev.cached_tokens
             if dechunk and dechunk.done:
                 return
     finally:

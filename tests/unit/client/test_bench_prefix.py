@@ -1,0 +1,127 @@
+"""``tandem bench prefix``' pure parts: the chat turns resend the conversation exactly,
+the system prompt is shared, texts never repeat across levels, the cached share and
+the goals' ratios (no server, no timing thresholds)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from tandem.client.bench import prefix
+from tandem.client.bench.openai_load import StreamResult, parse_event
+from tandem.client.bench.prefix_workload import (ASSISTANT, USER, Conversation, cached_share, conversations,
+                                                 level_stats, offsets, pieces_per_level, system_prompts)
+
+
+@pytest.mark.parametrize("turns", [1, 2, 5])
+def test_each_turn_extends_the_previous_conversation_exactly(turns):
+    conv = Conversation([f"message {i}" for i in range(turns)])
+    reply, prompts = None, []
+    while not conv.done:
+        prompts.append(conv.next(reply))
+        reply = f" reply {len(prompts)}"
+    assert prompts[0] == f"{USER}message 0{ASSISTANT}"
+    for k in range(1, turns):
+        assert prompts[k] == prompts[k - 1] + f" reply {k}" + f"{USER}message {k}{ASSISTANT}"
+        assert prompts[k].startswith(prompts[k - 1])
+
+
+def test_conversations_deal_messages_in_order():
+    convs = conversations([str(i) for i in range(6)], 3)
+    assert [c.messages for c in convs] == [["0", "1", "2"], ["3", "4", "5"]]
+
+
+def test_the_system_prompt_is_shared_and_the_questions_unique():
+    prefix = "You are a careful assistant. " * 20
+    prompts = system_prompts(prefix, ["a?", "b?", "c?"])
+    assert all(p.startswith(prefix) for p in prompts)
+    assert len({p[len(prefix):] for p in prompts}) == 3
+
+
+@pytest.mark.parametrize("concurrency", [[1], [1, 2, 4, 8]])
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_no_text_is_sent_twice(concurrency, repeats):
+    workloads, requests, turns = ["chat", "system"], 6, 4
+    starts, total = offsets(workloads, concurrency, repeats, requests, turns)
+    used = []
+    for (w, c, rep), start in starts.items():
+        used += range(start, start + pieces_per_level(w, requests, turns, c))
+    assert sorted(used) == list(range(total))
+
+
+def test_a_level_has_two_requests_per_stream_and_a_conversation_per_stream():
+    assert pieces_per_level("system", 4, 4, 8) == 16
+    assert pieces_per_level("chat", 4, 4, 8) == 8 * 4
+
+
+def test_usage_with_cached_tokens_is_read():
+    ev = parse_event('{"choices": [], "usage": {"prompt_tokens": 440, "completion_tokens": 32, '
+                     '"prompt_tokens_details": {"cached_tokens": 400}}}')
+    assert (ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens) == (440, 400, 32)
+    ev = parse_event('{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}')
+    assert ev.cached_tokens is None
+
+
+def test_stats_cached_share_and_ttft():
+    rs = [StreamResult("first", chunk_s=[0.1, 0.2], completion_tokens=2, prompt_tokens=40, cached_tokens=0),
+          StreamResult("later", chunk_s=[0.05, 0.1], completion_tokens=2, prompt_tokens=120, cached_tokens=96),
+          StreamResult("later", error="HTTP 500", prompt_tokens=1000, cached_tokens=0)]
+    assert cached_share(rs) == round(96 / 160, 4)
+    s = level_stats(rs, 1.0)
+    assert s["errors"] == 1 and s["output_tok_s"] == 4.0
+    assert s["ttft_ms_p50"] == pytest.approx(75.0) and s["ttft_first_ms_p50"] == 100.0
+    assert s["ttft_later_ms_p50"] == 50.0
+
+
+def test_goals_are_ratios_per_repeat():
+    runs = {"system": {"tandem-on": {1: [{"ttft_ms_p50": 30.0}, {"ttft_ms_p50": 20.0}, {"ttft_ms_p50": 40.0}]},
+                       "tandem-off": {1: [{"ttft_ms_p50": 100.0}, {"ttft_ms_p50": 100.0}, {"ttft_ms_p50": 100.0}]}}}
+    g = prefix.goals(runs, [1])["warm TTFT / cold (400-token cached prefix)"]
+    assert g["ratio"]["1"]["runs"] == [0.3, 0.2, 0.4] and g["ratio"]["1"]["median"] == 0.3
+    assert g["met"]["1"] is True
+
+
+def test_chat_loop_sends_the_servers_reply_back():
+    """Against a stand-in server: every later turn carries the previous prompt and the
+    reply streamed to it; the usage's cached tokens reach the results."""
+    async def main():
+        seen = []
+
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
+                              if ln.lower().startswith(b"content-length")))
+            req = json.loads(await reader.readexactly(length))
+            seen.append(req["prompt"])
+            reply = f" r{len(seen)}"
+            chunks = [{"choices": [{"index": 0, "text": reply, "finish_reason": "length"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1,
+                                                "prompt_tokens_details": {"cached_tokens": 8}}}]
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+                         + b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks) + b"data: [DONE]\n\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            results, _ = await prefix.chat_loop(port, conversations(["a", "b", "c"], 3), 1, 1, "tandem-on")
+        return results, seen
+
+    results, seen = asyncio.run(main())
+    assert seen[1] == seen[0] + " r1" + f"{USER}b{ASSISTANT}"
+    assert seen[2] == seen[1] + " r2" + f"{USER}c{ASSISTANT}"
+    assert [r.kind for r in results] == ["first", "later", "later"]
+    assert all(r.cached_tokens == 8 and r.prompt_tokens == 10 for r in results)
+
+
+def test_options():
+    p = argparse.ArgumentParser()
+    prefix.add_arguments(p)
+    a = p.parse_args(["--no-peers", "--concurrency", "1,8", "--turns", "3"])
+    assert a.no_peers and a.concurrency == [1, 8] and a.turns == 3
+    assert not p.parse_args([]).no_peers
+    with pytest.raises(SystemExit):
+        p.parse_args(["--workloads", "bogus"])
