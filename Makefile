@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-unit test-e2e bench install
+.PHONY: serve test test-unit test-e2e test-images image bench install
 
 install: $(STAMP)
 
@@ -21,14 +21,29 @@ SERVE_ARGS ?= --spec mtp
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 
+# the image test builds and runs containers (minutes): its own target, its own CI step
+IMAGES_TEST := tests/e2e/test_images.py
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=$(IMAGES_TEST)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 test-e2e: $(STAMP)
-	$(PY) -m pytest -q tests/e2e
+	$(PY) -m pytest -q tests/e2e --ignore=$(IMAGES_TEST)
+
+test-images: $(STAMP)
+	$(PY) -m pytest -q -s $(IMAGES_TEST)
+
+# the CPU image, with podman or docker, whichever is there; offline: IMAGE_ARGS='--build-arg
+# BASE_IMAGE=... --build-arg TORCH_INDEX_URL=... --build-arg PIP_INDEX_URL=...' (docs/DEPLOYING.md)
+CONTAINER_ENGINE ?= $(shell command -v podman || command -v docker)
+IMAGE ?= tandem:cpu
+# BuildKit reads docker/Dockerfile.cpu.dockerignore by itself; podman is told
+IGNOREFILE = $(if $(findstring podman,$(CONTAINER_ENGINE)),--ignorefile docker/Dockerfile.cpu.dockerignore)
+image:
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make image: neither podman nor docker is installed" >&2; exit 1; }
+	$(CONTAINER_ENGINE) build -f docker/Dockerfile.cpu $(IGNOREFILE) -t $(IMAGE) $(IMAGE_ARGS) .
 
 # genai-perf (the `genai` extra) only for `make bench`: it brings pandas, pyarrow, plotly
 GENAI_STAMP := $(VENV)/.installed-genai
