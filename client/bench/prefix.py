@@ -99,7 +99,9 @@ def start_servers(stack: ExitStack, names_: list[str], args, work: Path, vllm_py
 
 def _body(prompt: str, max_tokens: int, server: str) -> dict:
     from tandem.client.bench.peer_servers import SERVED_NAME
-    return body(SERVED_NAME, prompt, max_tokens, server == "vllm")
+    from tandem.client.serve.options import TEXT_ENSEMBLE
+    # tandem serve --mode colocated serves its ensemble under its own name
+    return body(SERVED_NAME if server == "vllm" else TEXT_ENSEMBLE["colocated"], prompt, max_tokens, server == "vllm")
 
 
 async def chat_loop(port: int, convs, concurrency: int, max_tokens: int, server: str):
@@ -137,8 +139,8 @@ def measure(srv, server: str, workload: str, c: int, texts: list[str], args, pro
                                               server))
     out = {**level_stats(results, wall), "wall_s": round(wall, 2), "load_avg": round(load, 2)}
     print(f"  {workload:6s} {server:10s} c={c:<2d} {out['output_tok_s']:7.1f} tok/s  TTFT p50 {out['ttft_ms_p50']} "
-          f"p99 {out['ttft_ms_p99']} ms  cached {out['cached_share']}  errors {out['errors']}  load {load:.2f}",
-          flush=True)
+          f"p99 {out['ttft_ms_p99']} ms  cached {out['cached_share']}  errors {out['errors']}  load {load:.2f}"
+          + (f"  first error: {out['first_error']}" if out.get("first_error") else ""), flush=True)
     return out
 
 
