@@ -25,6 +25,7 @@ settings, log probs from Hugging Face transformers' fp32 logits.
 """
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -353,3 +354,27 @@ def test_end_id_ends_the_text_and_pad_id_is_accepted(url, engine):
     want = greedy(engine, FOX, stop_token_ids=[end], ignore_eos=True)
     assert got.errors == [] and got.texts == [FOX + want.text]
     assert len(want.token_ids) < len(ref.token_ids)
+
+
+# the client's guided decoding flags (newer than v0.14.0): --guided-decoding-guide-type and
+# --guided-decoding-guide, sent as np.array([[value]]).astype(object)
+@pytest.mark.parametrize("guide_type,guide,check", [
+    # any JSON value may outlast 30 tokens (a long string): it starts as one
+    ("json", None, lambda t: t[:1] and t[:1] in '{["-0123456789tfn'),
+    ("json_schema", '{"properties": {"answer": {"title": "Answer", "type": "integer"}}, '
+                    '"required": ["answer"], "title": "Answer", "type": "object"}',
+     lambda t: type(json.loads(t)["answer"]) is int),
+    ("regex", r"\d+", lambda t: re.fullmatch(r"\d+", t)),
+    ("ebnf_grammar", "root ::= [0-9]+", lambda t: re.fullmatch(r"[0-9]+", t)),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_guided_decoding_flags(url, guide_type, guide, check, streaming):
+    pytest.importorskip("xgrammar")
+    extra = {"guided_decoding_guide_type": np.array([[guide_type]]).astype(object),
+             "exclude_input_in_output": np.array([[True]], dtype=bool)}
+    if guide is not None:
+        extra["guided_decoding_guide"] = np.array([[guide]]).astype(object)
+    got = run_inference(url, prepare_inputs("What is the year after 2024? Answer:", 30, streaming=streaming,
+                                            temperature=0.0, **extra))
+    assert got.errors == [], got.errors
+    assert check(got.texts[0]), got.texts
