@@ -2,7 +2,7 @@
 Kubernetes schemas (kubernetes-validate, offline), the compose file wires one prefill
 server to two decode servers through the entrypoint, and the entrypoint and
 ``tandem serve``'s environment defaults (TANDEM_<OPTION>) do what the containers rely on.
-The images themselves are built where a container registry is reachable, not here."""
+The images themselves are built and run by tests/e2e/test_images.py (make test-images)."""
 from __future__ import annotations
 
 import argparse
