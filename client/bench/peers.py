@@ -146,13 +146,20 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
     return servers
 
 
+def served_name(cfg, args) -> str:
+    """The model name a request names: vLLM serves ours as "tandem"; Tandem serves its
+    mode's text ensemble (tandem_colocated with --tandem-mode colocated)."""
+    from tandem.client.serve.options import TEXT_ENSEMBLE
+    return "tandem" if cfg[0] == "vllm" else TEXT_ENSEMBLE[args.tandem_mode]
+
+
 def warm_up(srv, cfg, args, prompts: Prompts) -> None:
     """Two short streams (first-call costs: allocation, lazy compiles), and the shared
     prefix into the prefix cache."""
     import asyncio
     vllm = cfg[0] == "vllm"
     for text in (prompts.cold[-1], prompts.prefix + prompts.suffixes[-1]):
-        r = asyncio.run(stream_completion("127.0.0.1", srv.port, body("tandem", text, 16, vllm), "warm-up"))
+        r = asyncio.run(stream_completion("127.0.0.1", srv.port, body(served_name(cfg, args), text, 16, vllm), "warm-up"))
         if r.error:
             from tandem.client.bench.peer_servers import PeerError
             raise PeerError(f"{label(cfg)}: warm-up failed: {r.error}\n{srv.log_tail()}")
@@ -163,7 +170,7 @@ def measure(srv, cfg, c: int, start: int, args, prompts: Prompts, others: list) 
     of one core the other (idle) servers used meanwhile."""
     n = requests_per_level(args.requests, c)
     vllm = cfg[0] == "vllm"
-    reqs = [(kind, body("tandem", text, args.max_tokens, vllm)) for kind, text in prompts.level(start, n)]
+    reqs = [(kind, body(served_name(cfg, args), text, args.max_tokens, vllm)) for kind, text in prompts.level(start, n)]
     time.sleep(SETTLE_S)
     load = os.getloadavg()[0]
     idle0, t0 = sum(tree_cpu_s(o.proc.pid) for o in others), time.monotonic()
