@@ -31,6 +31,26 @@ def engines_run_eagerly():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def servers_run_eagerly():
+    """Servers the tests start decode eagerly (``enforce_eager`` unless a test says
+    otherwise; the command-line ones get ``--enforce-eager``): compiling at start-up
+    costs every server start tens of seconds to minutes on this 2-core kind of machine,
+    more than a readiness timeout when two engines compile at once. The compiled step is
+    tested in tests/unit/engine/test_compiled_decode.py (equal to eager, greedy equal to
+    HF, the cache across processes)."""
+    from tandem.client.serve.options import ServeOptions
+
+    of = ServeOptions.of.__func__
+
+    def eager_of(cls, **values):
+        values.setdefault("enforce_eager", True)
+        return of(cls, **values)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ServeOptions, "of", classmethod(eager_of))
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory):
     """The tiny untrained demo checkpoint (2-layer Llama, 2000-token BPE), built once per session."""

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, positive_int
+from tandem.client.bench.args import add_dtype, names, positive_int
 from tandem.client.bench.harness import prompt_texts, start_server, work_dir
 from tandem.client.bench.report import header, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens per stream")
     p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per path and version")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of: {', '.join(PATHS)}")
+    p.add_argument("--paths", type=names(*PATHS), default=",".join(PATHS), help=f"comma-separated, of: {', '.join(PATHS)}")
     p.add_argument("--compare", default="", metavar="REV[,REV2]",
                    help="measure git revision REV's code against this tree's (or REV2's), rounds interleaved")
     p.add_argument("--label", default="run", help="the run's name in --out (other names there are kept)")
@@ -213,7 +213,7 @@ class Worker:
             procs = processes(server, frontend.pid)
             rounds = {"grpc": lambda: grpc_round(server.grpc_url, prompts, args.tokens),
                       "openai": lambda: openai_round("127.0.0.1", port, prompts, args.tokens)}
-            for name in args.paths.split(","):
+            for name in args.paths:
                 rounds[name]()   # warm-up: not counted
             print(json.dumps({"ready": True}), flush=True)
             for line in sys.stdin:
@@ -260,7 +260,7 @@ def start_worker(args, pythonpath: Path | None) -> subprocess.Popen:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
         env[SHIM_ENV] = str(pythonpath)
     cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--streams", str(args.streams),
-           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--paths", args.paths,
+           "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--paths", str(args.paths),
            "--dtype", args.dtype]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -346,11 +346,7 @@ def table(results: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    paths = [p for p in args.paths.split(",") if p]
-    unknown = set(paths) - set(PATHS)
-    if unknown or not paths:
-        print(f"--paths: {args.paths!r}; allowed: a comma-separated list of {', '.join(PATHS)}", file=sys.stderr)
-        return 2
+    paths = list(args.paths)   # checked while parsing (args.names)
     print(f"hops: {args.streams} streams x {args.tokens} tokens, {args.repeats} rounds per path and version, "
           f"{args.dtype}", flush=True)
     with work_dir("tandem-hops-run-") as work, ExitStack() as stack:

@@ -36,6 +36,8 @@ OTHER_VARIABLES = frozenset({
     "TANDEM_FAULTS",           # rdma/faults.py: the models' fault injection
     "TANDEM_KV_INTERFACE",     # backends/triton/settings.py: the KV transfer's fallbacks
     "TANDEM_KV_TRANSPORTS",
+    "TANDEM_HOPS_KEEP",        # client/bench/hops.py: keep a run's files; the stubs' code shim
+    "TANDEM_HOPS_SHIM",
 })
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 

@@ -72,7 +72,7 @@ def server(deep_checkpoint, tmp_path):
     ports = {name: free_port() for name in ("http", "grpc", "metrics")}
     env = {**os.environ, "TANDEM_MODEL": str(deep_checkpoint), "TANDEM_HOST": "127.0.0.1",
            "TANDEM_HTTP_PORT": str(ports["http"]), "TANDEM_GRPC_PORT": str(ports["grpc"]),
-           "TANDEM_METRICS_PORT": str(ports["metrics"]), "TANDEM_OPENAI_PORT": "0", "TANDEM_THREADS": "1", "TANDEM_DTYPE": "float32",
+           "TANDEM_METRICS_PORT": str(ports["metrics"]), "TANDEM_OPENAI_PORT": "0", "TANDEM_THREADS": "1", "TANDEM_DTYPE": "float32", "TANDEM_ENFORCE_EAGER": "1",
            "TANDEM_DRAIN_TIMEOUT": "90", "TANDEM_RUN_DIR": str(tmp_path / "run"),
            "TANDEM_LOG_FILE": str(tmp_path / "server.log")}
     proc = subprocess.Popen([sys.executable, "-m", "tandem.client.cli", "serve"], env=env,

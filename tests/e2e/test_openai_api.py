@@ -49,7 +49,7 @@ def served(tmp_path_factory, demo_checkpoint):
     http, grpc, metrics, api = (free_port() for _ in range(4))
     # its own process group and SIGTERM when this process dies: no orphan if pytest is killed
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--threads", "1", "--dtype", "float32",
+        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--threads", "1", "--dtype", "float32", "--enforce-eager",
          "--max-num-seqs", "8", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
          "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
          "--ready-timeout", "300"],

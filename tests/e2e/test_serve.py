@@ -242,7 +242,7 @@ def test_zz_stop_leaves_no_process_behind(server):
 def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):
     ports = [str(free_port()) for _ in range(4)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--mode", "colocated", "--dtype", "float32",
+        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--mode", "colocated", "--dtype", "float32", "--enforce-eager",
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--threads", "1",
          "--openai-port", ports[3],
          "--run-dir", str(tmp_path / "run"), "--log-file", str(tmp_path / "server.log")],

@@ -67,7 +67,7 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(DEMO / "target"),
          "--spec", "draft_target", "--draft-model", str(DEMO / "draft"), "--mode", "both",
-         "--disagg-policy", "remote", "--threads", "1", "--dtype", "float32", "--max-num-seqs", "8",
+         "--disagg-policy", "remote", "--threads", "1", "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
          "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
          "--ready-timeout", "300"],

@@ -158,7 +158,7 @@ def server(tmp_path_factory, demo_checkpoint):
     http, grpc, metrics = (str(free_port()) for _ in range(3))
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.client.cli", "serve", "--ensemble-name", MODEL, "--model",
-         str(demo_checkpoint), "--dtype", "float32", "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--http-port", http,
+         str(demo_checkpoint), "--dtype", "float32", "--enforce-eager", "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--http-port", http,
          "--grpc-port", grpc, "--metrics-port", metrics, "--run-dir", str(run_dir / "run"),
          "--log-file", str(run_dir / "tritonserver.log"), "--ready-timeout", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

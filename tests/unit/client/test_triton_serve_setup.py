@@ -528,7 +528,7 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
         assert (config.compile, config.enforce_eager) == ("all", True), name
         assert config.compile_cache_dir == str(tmp_path / "ic"), name
         assert config.speculative.draft_vocab_size == 64, name
-    off = ServeOptions.of(model_dir=str(demo_checkpoint)).template_values()
+    off = ServeOptions(EngineSettings(model_dir=str(demo_checkpoint))).template_values()   # the defaults
     assert (off["compile"], off["enforce_eager"], off["draft_vocab_size"]) == ("auto", "0", "0")
     assert EngineSettings.from_model_config({"parameters": {"model_dir": {"string_value": "m"}}}) \
         .engine_config().compile_cache_dir is None
