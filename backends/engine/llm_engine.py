@@ -139,17 +139,21 @@ class LLMEngine:
 
     def make_compiled_decode(self) -> CompiledDecode:
         """The CPU's compiled decode steps (the draft's too), compiled and decided now:
-        the warm-up writes one page reserved here (shared with the draft's pool)."""
+        the warm-up writes one page reserved here (shared with the draft's pool) and
+        given back after it, so the pool's pages all serve requests again."""
         scratch = self.allocator.alloc(1)[0]
         c, buckets = self.config, capture_sizes(self.config.max_num_seqs)
         models = [("target", self.runner)]
         if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
             models.append(("draft", self.proposer.runner))
         compiled = []
-        for name, runner in models:
-            steps = CompiledDecode(runner, buckets, c.compile_cache_dir)
-            log.info("%s: %s", name, steps.warm_up(scratch, measure=c.compile == "auto").describe())
-            compiled.append(steps)
+        try:
+            for name, runner in models:
+                steps = CompiledDecode(runner, buckets, c.compile_cache_dir)
+                log.info("%s: %s", name, steps.warm_up(scratch, measure=c.compile == "auto").describe())
+                compiled.append(steps)
+        finally:
+            self.allocator.free([scratch])
         if len(compiled) > 1:
             self.proposer.fast_decode = compiled[1]
         return compiled[0]
