@@ -1,7 +1,8 @@
 """The destination descriptor: the one object kv_transfer hands to prefill.
 
 It says where the KV goes (the receiver's UCX worker address, the reservation's slot,
-generation and 128-bit secret, the destination page ids) and everything both sides
+generation and 128-bit secret, the destination page ids) — from ``first_page`` on: the
+pages before it decode holds already, from its prefix cache — and everything both sides
 need to derive the same :class:`~tandem.rdma.plan.TransferPlan` (model geometry, both
 sharding schemes, run cap, context sizes, replica seed). It travels as bytes (a Triton
 tensor, or gRPC to a remote prefill server) with a versioned, length-checked encoding.
@@ -35,7 +36,7 @@ from .wire import (MAX_OPS, SECRET_BYTES, MalformedMessage, decode_models,
                    encode_models, frame, tag_key, unframe)
 
 _MAGIC = b"TKVD"
-_FIXED = struct.Struct(f"<IIIHHHHIQQBII{SECRET_BYTES}s")
+_FIXED = struct.Struct(f"<IIIHHHHIQQBII{SECRET_BYTES}sI")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,9 @@ class DestinationDescriptor:
     context_nbytes: tuple[int, ...] = ()
     seed: int = 0
     secret: bytes = bytes(SECRET_BYTES)
+    # the sequence's pages before this one decode holds already (its prefix cache):
+    # ``page_ids[j]`` receives sequence page ``first_page + j``
+    first_page: int = 0
     _plan: TransferPlan | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -84,6 +88,7 @@ class DestinationDescriptor:
     def __repr__(self) -> str:   # never print the secret
         return (f"DestinationDescriptor(slot={self.slot}, generation={self.generation}, "
                 f"num_tokens={self.num_tokens}, pages={len(self.page_ids)}, "
+                f"first_page={self.first_page}, "
                 f"models={[m.name for m in self.models]}, src={self.src}, dst={self.dst})")
 
     @property
@@ -91,12 +96,17 @@ class DestinationDescriptor:
         """The key this reservation's data messages carry in their tags."""
         return tag_key(self.secret)
 
+    @property
+    def first_token(self) -> int:
+        """The first token whose KV this transfer carries."""
+        return self.first_page * self.models[0].page_size
+
     def plan(self) -> TransferPlan:
         """The transfer plan (computed once per descriptor)."""
         if self._plan is None:
             object.__setattr__(self, "_plan", plan_transfer(
-                self.models, self.page_ids, self.num_tokens, self.src, self.dst,
-                self.max_run_pages, self.context_nbytes, self.seed))
+                self.models, self.page_ids, self.num_tokens - self.first_token, self.src,
+                self.dst, self.max_run_pages, self.context_nbytes, self.seed))
         return self._plan
 
     @property
@@ -117,7 +127,7 @@ class DestinationDescriptor:
                         self.src.replica_sets, self.dst.tp_size, self.dst.replica_sets,
                         self.max_run_pages, self.seed, self.expected_ops,
                         len(self.context_nbytes), len(self.page_ids), len(self.worker_address),
-                        self.secret),
+                        self.secret, self.first_page),
             encode_models(self.models),
             np.asarray(self.context_nbytes, dtype="<u8").tobytes(),
             np.asarray(self.page_ids, dtype="<u4").tobytes(),
@@ -131,7 +141,7 @@ class DestinationDescriptor:
         or over ``limits``. Costs O(len(data)): no plan is built."""
         _flags, r = unframe(data, _MAGIC, limits.max_bytes, "destination descriptor")
         (slot, gen, num_tokens, s_tp, s_sets, d_tp, d_sets, max_run, seed, expected, n_ctx,
-         n_pages, n_addr, secret) = r.unpack(_FIXED.format)
+         n_pages, n_addr, secret, first_page) = r.unpack(_FIXED.format)
         _at_most("pages", n_pages, limits.max_pages)
         _at_most("context blobs", n_ctx, limits.max_context_blobs)
         _at_most("worker address bytes", n_addr, limits.max_address_bytes)
@@ -151,9 +161,10 @@ class DestinationDescriptor:
                 raise ValueError("a transfer needs at least one model")
             if len({m.page_size for m in models}) != 1:
                 raise ValueError("all models of a transfer share one page_size")
-            if num_tokens < 1 or pages_needed(num_tokens, models[0].page_size) != n_pages:
+            if (num_tokens < 1 or n_pages < 1 or pages_needed(num_tokens, models[0].page_size)
+                    != first_page + n_pages):
                 raise ValueError(f"{num_tokens} tokens do not fill {n_pages} pages of "
-                                 f"{models[0].page_size} tokens")
+                                 f"{models[0].page_size} tokens after page {first_page}")
             if len(np.unique(pages)) != n_pages:
                 raise ValueError("a page id is listed twice")
             if max_run < 1 or any(n < 1 for n in ctx):
@@ -172,7 +183,7 @@ class DestinationDescriptor:
             raise MalformedMessage(f"descriptor expects {expected} operations, its plan has "
                                    f"{total} (version skew?)")
         return cls(addr, slot, gen, num_tokens, tuple(pages.tolist()), models, src, dst,
-                   max_run, ctx, seed, secret)
+                   max_run, ctx, seed, secret, first_page)
 
 
 def check_for_pool(desc: DestinationDescriptor, spec) -> None:

@@ -42,7 +42,8 @@ HEADER_FIELDS = 32
 SPEC_OFFSET = 256            # header bytes from here on hold the encoded model specs
 H_MAGIC, H_NUM_PAGES, H_NUM_SLOTS, H_CTX, H_OWNERS, H_FREE_TOP, H_DIRTY, \
     H_SPEC_LEN, H_RECLAIMED, H_FAILED, H_TP, H_SETS, H_HEADROOM, H_SERVER_PID, \
-    H_SERVER_START, H_PIDNS, H_CREATOR_PID, H_CREATOR_START, H_CANCELLED = range(19)
+    H_SERVER_START, H_PIDNS, H_CREATOR_PID, H_CREATOR_START, H_CANCELLED, \
+    H_MAX_PINS, H_EVICTABLE, H_CLOCK, H_CACHE_OWNER, H_EVICTIONS, H_ROOT0, H_ROOT1 = range(26)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,9 @@ class PoolSpec:
     # pages reservations may not take: what running sequences need to keep decoding
     # (the decoder's own allocations may use them)
     headroom_pages: int = 0
+    # cached pages one reservation may share (the prefix cache, pool_cache.py): the most
+    # pages of a prompt; 0 turns the pool's prefix cache off
+    max_pins: int = 0
 
     def __post_init__(self):
         if "/" in self.name or not self.name:
@@ -71,6 +75,8 @@ class PoolSpec:
             raise ValueError(f"headroom_pages={self.headroom_pages}; allowed: 0..{self.num_pages - 1}")
         if len({m.page_size for m in self.models}) != 1:
             raise ValueError("all models of a pool share one page_size")
+        if not 0 <= self.max_pins <= self.num_pages:
+            raise ValueError(f"max_pins={self.max_pins}; allowed: 0..{self.num_pages}")
 
     def kv_bytes(self, model: ModelSpec) -> int:
         return model.pool_bytes(self.scheme.heads_per_rank(model.num_kv_heads), self.num_pages)
@@ -137,7 +143,8 @@ def read_spec(name: str, timeout_s: float = 10.0) -> PoolSpec:
     spec_bytes = head[SPEC_OFFSET:SPEC_OFFSET + int(hdr[H_SPEC_LEN])]
     return PoolSpec(name, decode_models(Reader(spec_bytes)), int(hdr[H_NUM_PAGES]),
                     ShardScheme(int(hdr[H_TP]), int(hdr[H_SETS])), int(hdr[H_NUM_SLOTS]),
-                    int(hdr[H_CTX]), int(hdr[H_OWNERS]), int(hdr[H_HEADROOM]))
+                    int(hdr[H_CTX]), int(hdr[H_OWNERS]), int(hdr[H_HEADROOM]),
+                    int(hdr[H_MAX_PINS]))
 
 
 # -- whose pool is it ----------------------------------------------------------------------
@@ -235,6 +242,15 @@ def _arrays(spec: PoolSpec) -> list[tuple[str, np.dtype, int]]:
         ("slot_cancel", np.uint32, slots),  # generation the decoder asked to cancel
         ("slot_secret", np.uint8, slots * SECRET_BYTES),
         ("context", np.uint8, slots * spec.context_bytes),
+        # the prefix cache (pool_cache.py): a published page's key, whether the cache's
+        # owner (decode) holds it, how many reservations share it, when it was last freed
+        ("page_key", np.uint64, 2 * pages),
+        ("page_cached", np.uint8, pages),
+        ("page_held", np.uint8, pages),
+        ("page_pins", np.int32, pages),
+        ("page_stamp", np.int64, pages),
+        ("slot_num_pins", np.uint32, slots),
+        ("slot_pins", np.int32, slots * spec.max_pins),
     ]
 
 
@@ -259,6 +275,8 @@ class ControlBlock:
             setattr(self, name, np.ndarray(n, dtype, buffer=self.mm, offset=o))
         self.slot_ctx = self.context.reshape(spec.num_slots, spec.context_bytes)
         self.secrets = self.slot_secret.reshape(spec.num_slots, SECRET_BYTES)
+        self.page_keys = self.page_key.reshape(spec.num_pages, 2)
+        self.pins = self.slot_pins.reshape(spec.num_slots, spec.max_pins)
         if create:
             self._write_header(spec)
 
@@ -273,6 +291,7 @@ class ControlBlock:
         h[H_OWNERS], h[H_SPEC_LEN] = spec.max_owners, len(models)
         h[H_TP], h[H_SETS] = spec.scheme.tp_size, spec.scheme.replica_sets
         h[H_HEADROOM] = spec.headroom_pages
+        h[H_MAX_PINS] = spec.max_pins
 
     def set_server(self, server_pid: int) -> None:
         """Name the server this pool belongs to and its creator (first, before the slow
@@ -289,7 +308,7 @@ class ControlBlock:
 
     def close(self) -> None:
         # drop our own views first, or the mapping cannot close
-        for name in self._names + ["hdr", "slot_ctx", "secrets"]:
+        for name in self._names + ["hdr", "slot_ctx", "secrets", "page_keys", "pins"]:
             setattr(self, name, None)
         _close_map(self.fd, self.mm)
 

@@ -3,26 +3,30 @@
 The canonical state is per page: its owner (0: free, else an owner id of
 :mod:`.pool_owners`), the reservation slot it belongs to (-1: none) and its place in
 that reservation's sequence. The free stack is derived from the owners, so the pool
-rebuilds it whenever a process died half-way through a change.
+rebuilds it whenever a process died half-way through a change. Cached pages nobody
+uses (:mod:`.pool_cache`) count as free: an allocation that empties the stack evicts
+the least recently used of them.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .errors import PoolExhausted
+from .pool_cache import PrefixIndex
 from .pool_layout import H_FREE_TOP, ControlBlock
 
 
 class SharedPages:
     """The page arrays of a :class:`~.pool_layout.ControlBlock`. Every method expects
-    the pool's lock to be held, except :attr:`num_free` (a single racy read)."""
+    the pool's lock to be held, except :attr:`num_free` (racy reads)."""
 
-    def __init__(self, ctl: ControlBlock, num_pages: int):
-        self._ctl, self.num_pages = ctl, num_pages
+    def __init__(self, ctl: ControlBlock, num_pages: int, cache: PrefixIndex):
+        self._ctl, self.num_pages, self.cache = ctl, num_pages, cache
 
     @property
     def num_free(self) -> int:
-        return int(self._ctl.hdr[H_FREE_TOP])
+        """Pages an allocation can take: the free stack and evictable cached pages."""
+        return int(self._ctl.hdr[H_FREE_TOP]) + self.cache.num_evictable
 
     def num_reserved(self) -> int:
         """Pages held by reservations (not yet claimed)."""
@@ -34,22 +38,30 @@ class SharedPages:
         self._ctl.page_slot[:] = -1
         self.rebuild()
 
-    def rebuild(self) -> None:
-        """Derive the free stack from the owners."""
+    def rebuild(self, live_slots: np.ndarray | None = None) -> None:
+        """Derive the free stack from the owners (and the cache's counts, given the
+        mask of live reservation slots)."""
         c = self._ctl
         free = np.flatnonzero(c.page_owner == 0).astype(np.int32)
         c.page_slot[free] = -1
         c.free_stack[:len(free)] = free[::-1]   # pop order: lowest ids first
         c.hdr[H_FREE_TOP] = len(free)
+        if live_slots is not None:
+            self.cache.rebuild(live_slots)
 
     def alloc(self, n: int, owner: int, slot: int = -1, keep_free: int = 0) -> list[int]:
         """Pop ``n`` pages for ``owner`` (in reservation ``slot``, or none), leaving at
-        least ``keep_free`` free; nothing is taken if fewer are free."""
+        least ``keep_free`` free, evicting cached pages when the stack runs short;
+        nothing is taken if fewer are free."""
         c = self._ctl
-        top = int(c.hdr[H_FREE_TOP])
-        if n > top - keep_free:
+        free = self.num_free
+        if n > free - keep_free:
             held = f" ({keep_free} kept for running sequences)" if keep_free else ""
-            raise PoolExhausted(f"need {n} pages, {top} free of {self.num_pages}{held}")
+            raise PoolExhausted(f"need {n} pages, {free} free of {self.num_pages}{held}")
+        top = int(c.hdr[H_FREE_TOP])
+        if n > top:
+            self.free(self.cache.evict(n - top))
+            top = int(c.hdr[H_FREE_TOP])
         pages = c.free_stack[top - n:top][::-1].copy()
         c.page_owner[pages] = owner
         c.page_slot[pages] = slot
@@ -66,6 +78,7 @@ class SharedPages:
         top = int(c.hdr[H_FREE_TOP])
         c.page_owner[pages] = 0
         c.page_slot[pages] = -1
+        self.cache.cleared(pages)
         c.free_stack[top:top + len(pages)] = pages[::-1]
         c.hdr[H_FREE_TOP] = top + len(pages)
 
@@ -82,7 +95,8 @@ class SharedPages:
         self.free(pages)
 
     def free_owned(self, owner: int) -> None:
-        """Free every page ``owner`` holds (in reservations or not)."""
+        """Free every page ``owner`` holds (in reservations or not); the caller has
+        ended the pins on the cache owner's pages first."""
         self.free(np.flatnonzero(self._ctl.page_owner == owner))
 
     def free_reserved(self, slot: int) -> None:

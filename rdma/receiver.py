@@ -181,9 +181,13 @@ class KVReceiver(Messenger):
     # -- any thread ----------------------------------------------------------------------
     def reserve(self, num_tokens: int, src: ShardScheme = ShardScheme(1),
                 context_nbytes=(), seed: int | None = None, max_run_pages: int | None = None,
-                timeout_s: float | None = None) -> DestinationDescriptor:
+                timeout_s: float | None = None,
+                cached_keys: list[bytes] = ()) -> DestinationDescriptor:
         """Reserve pages for ``num_tokens`` tokens of every model in the pool, fed by a
-        prefill sharded as ``src``, plus context blobs of the given sizes.
+        prefill sharded as ``src``, plus context blobs of the given sizes. With
+        ``cached_keys`` (the prompt's page keys, rooted at :meth:`SharedKVPool.cache_root`)
+        the longest prefix decode has cached is shared, not received: the descriptor's
+        ``first_page`` says where the transfer starts.
 
         ``max_run_pages`` (default: from ``config.max_run_bytes``) caps the pages one
         operation carries; 1 is one operation per page and layer. ``timeout_s`` is the
@@ -209,7 +213,8 @@ class KVReceiver(Messenger):
             max_run_pages = max(1, self.config.max_run_bytes // page_bytes)
         secret = self._new_secret()
         try:
-            slot, gen, pages = self.pool.reserve(n_pages, 0, timeout_s, secret)
+            slot, gen, pages, shared = self.pool.reserve_prefix(n_pages, cached_keys, 0,
+                                                                timeout_s, secret)
         except BaseException:
             self._drop_key(tag_key(secret))
             raise
@@ -217,7 +222,7 @@ class KVReceiver(Messenger):
             desc = DestinationDescriptor(
                 self.address, slot, gen, num_tokens, tuple(pages), spec.models, src, spec.scheme,
                 max_run_pages, tuple(context_nbytes),
-                secrets.randbits(32) if seed is None else seed, secret)
+                secrets.randbits(32) if seed is None else seed, secret, shared)
             if desc.expected_ops >= MAX_OPS:
                 raise ValueError(f"{desc.expected_ops} operations exceed the tag's {MAX_OPS}")
             self.pool.arm(slot, gen, desc.expected_ops)

@@ -95,20 +95,32 @@ class Reservations:
 
     def num_active(self) -> int:
         """Reservations RESERVED or READY."""
-        state = self._ctl.slot_state
-        return int(((state == RESERVED) | (state == READY)).sum())
+        return int(self.live().sum())
 
     def in_range(self, slot: int) -> bool:
         return 0 <= slot < self.num_slots
 
     # -- kv_transfer's side --------------------------------------------------------------
+    def live(self) -> np.ndarray:
+        """A mask of the slots whose reservation is live (RESERVED or READY)."""
+        state = self._ctl.slot_state
+        return (state == RESERVED) | (state == READY)
+
     def reserve(self, num_pages: int, expected_ops: int, timeout_s: float, owner: int,
-                secret: bytes, keep_free: int = 0) -> tuple[int, int, list[int]]:
+                secret: bytes, keep_free: int = 0,
+                pins: list[int] = ()) -> tuple[int, int, list[int]]:
         """Take a slot and ``num_pages`` pages for ``owner``, leaving ``keep_free``
-        pages free: (slot, generation, pages); nothing is taken if either runs out."""
+        pages free, the slot sharing the cached pages ``pins`` (found under this lock):
+        (slot, generation, pages); nothing is taken if either runs out."""
         c = self._ctl
         slot = self._pick_slot()
-        pages = self._pages.alloc(num_pages, owner, slot, keep_free)
+        cache = self._pages.cache
+        cache.pin(slot, list(pins))   # first: the pages it shares are not evicted for it
+        try:
+            pages = self._pages.alloc(num_pages, owner, slot, keep_free)
+        except BaseException:
+            cache.unpin(slot, to_owner=False)
+            raise
         gen = (int(c.slot_gen[slot]) + 1) & 0xFFFFFFFF or 1
         c.slot_gen[slot] = gen
         c.slot_owner[slot] = owner
@@ -182,9 +194,11 @@ class Reservations:
         return True
 
     def fail_slot(self, slot: int, reason: int) -> None:
-        """Free the slot's pages and keep it FAILED for the grace period."""
+        """Free the slot's pages (and end its pins) and keep it FAILED for the grace
+        period."""
         c = self._ctl
         self._pages.free_reserved(slot)
+        self._pages.cache.unpin(slot, to_owner=False)
         c.slot_state[slot] = FAILED
         c.slot_error[slot] = reason
         c.slot_deadline[slot] = time.monotonic() + self.fail_grace_s
@@ -194,6 +208,11 @@ class Reservations:
         """Fail every live reservation of ``owner``."""
         for slot in self.owned(owner):
             self.fail_slot(slot, reason)
+
+    def fail_pinning(self, reason: int) -> None:
+        """Fail every live reservation that shares cached pages (their owner is going)."""
+        for slot in np.flatnonzero(self.live() & (self._ctl.slot_num_pins > 0)):
+            self.fail_slot(int(slot), reason)
 
     def owned(self, owner: int) -> list[int]:
         """The live (RESERVED or READY) reservations of ``owner``."""
@@ -232,8 +251,10 @@ class Reservations:
                           error)
 
     def claim(self, slot: int, generation: int, owner: int, secret: bytes | None = None) -> list[int]:
-        """A READY reservation's pages become ``owner``'s; the slot is FREE again. With
-        ``secret``, only if it is the reservation's."""
+        """A READY reservation's pages become ``owner``'s, the cached pages it shares
+        first (``owner`` holds them now; it must be the cache's owner), then the ones
+        it received; the slot is FREE again. With ``secret``, only if it is the
+        reservation's."""
         c = self._ctl
         if not self.in_range(slot):
             raise ReservationGone(f"slot {slot} out of range 0..{self.num_slots - 1}")
@@ -251,9 +272,14 @@ class Reservations:
         if state != READY:
             raise PoolError(f"reservation {slot}/{generation} is {STATE_NAMES[state]}, "
                             "not ready")
+        shared = self._pages.cache.pinned(slot)
+        if shared and owner != self._pages.cache.owner:
+            raise PoolError(f"reservation {slot}/{generation} shares cached pages; only the "
+                            "cache's owner (decode) can claim it")
         pages = self._pages.hand_over(slot, owner)
+        self._pages.cache.unpin(slot, to_owner=True)
         c.slot_state[slot] = FREE
-        return pages
+        return shared + pages
 
     def cancel(self, slot: int, generation: int) -> bool:
         """The decoder gives the reservation up: a READY one fails (pages freed) now; a

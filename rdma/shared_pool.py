@@ -5,6 +5,7 @@
 
 - :mod:`.pool_layout` — the files, the control file's header and arrays, mapping;
 - :mod:`.pool_pages` — who holds each page, and the free stack;
+- :mod:`.pool_cache` — the prefix cache: published pages, their sharers, eviction;
 - :mod:`.pool_owners` — the attached processes and whether they still live;
 - :mod:`.reservations` — the slots' lifecycle, generations, leases and counters.
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from .errors import PoolError, PoolExhausted, ReservationGone
 from .plan import ModelSpec
+from .pool_cache import PrefixIndex
 from .pool_layout import (H_CANCELLED, H_DIRTY, H_FAILED, H_RECLAIMED, SHM_DIR, ControlBlock,
                           KVFiles, PoolOwner, PoolSpec, pool_owner, read_spec, unlink_files)
 from .pool_owners import Owners
@@ -56,6 +58,7 @@ class PoolStats:
     reclaimed_owners: int
     failed_reservations: int
     cancelled_reservations: int = 0
+    cached: int = 0    # pages with a prefix-cache key (free ones among them count as free)
 
 
 class SharedKVPool:
@@ -81,7 +84,8 @@ class SharedKVPool:
         self._ctl = ControlBlock(spec, create)
         if create:
             self._ctl.set_server(server_pid or os.getpid())
-        self._pages = SharedPages(self._ctl, spec.num_pages)
+        self._cache = PrefixIndex(self._ctl, spec.num_pages, spec.max_pins)
+        self._pages = SharedPages(self._ctl, spec.num_pages, self._cache)
         self._slots = Reservations(self._ctl, self._pages, spec.num_slots, fail_grace_s)
         self._owners = Owners(self._ctl, spec.max_owners, spec.name)
         if create:
@@ -137,8 +141,9 @@ class SharedKVPool:
     def _same_geometry(self, spec: PoolSpec) -> "SharedKVPool":
         have, want = self.spec, spec
         if (have.models, have.num_pages, have.scheme, have.num_slots, have.context_bytes,
-                have.headroom_pages) != (want.models, want.num_pages, want.scheme,
-                                         want.num_slots, want.context_bytes, want.headroom_pages):
+                have.headroom_pages, have.max_pins) != (
+                    want.models, want.num_pages, want.scheme, want.num_slots, want.context_bytes,
+                    want.headroom_pages, want.max_pins):
             self.close(release=False)
             raise PoolError(f"shared KV pool {spec.name!r} exists with another geometry "
                             f"({have}); expected {want}")
@@ -222,7 +227,8 @@ class SharedKVPool:
             fcntl.flock(self._ctl.fd, fcntl.LOCK_EX)
             try:
                 if hdr[H_DIRTY]:
-                    self._pages.rebuild()   # its last writer died mid-change
+                    # its last writer died mid-change
+                    self._pages.rebuild(self._slots.live())
                 hdr[H_DIRTY] = 1
                 try:
                     yield
@@ -235,6 +241,10 @@ class SharedKVPool:
 
     def _release_owner_locked(self, owner: int, reason: int) -> None:
         self._slots.fail_owned(owner, reason)
+        if owner == self._cache.owner:
+            # the cached pages are the owner's: reservations sharing them fail first
+            self._slots.fail_pinning(reason)
+            self._pages.free(self._cache.set_owner(0, bytes(16)))
         self._pages.free_owned(owner)
         self._owners.remove(owner)
 
@@ -270,16 +280,30 @@ class SharedKVPool:
         (16 bytes; a random one if None): (slot, generation, pages). ``headroom_pages``
         stay free for the decoder. Raises :class:`PoolExhausted` when pages or slots run
         out (after reclaiming dead owners' and expired reservations')."""
+        return self.reserve_prefix(num_pages, (), expected_ops, timeout_s, secret)[:3]
+
+    def reserve_prefix(self, num_pages: int, keys: list[bytes], expected_ops: int,
+                       timeout_s: float, secret: bytes | None = None
+                       ) -> tuple[int, int, list[int], int]:
+        """:meth:`reserve` for a prompt of ``num_pages`` pages whose first pages may be
+        cached under ``keys`` (its hash chain, at most ``spec.max_pins``): the slot
+        shares the longest cached prefix and gets fresh pages for the rest:
+        (slot, generation, fresh pages, shared pages). At least one page is fresh."""
         secret = secrets.token_bytes(SECRET_BYTES) if secret is None else secret
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"secret must be {SECRET_BYTES} bytes")
         keep = self.spec.headroom_pages
         with self._locked():
-            if num_pages > self._pages.num_free - keep:
+            shared = self._cache.chain(list(keys)[:min(num_pages - 1, self.spec.max_pins)])
+            fresh = num_pages - len(shared)
+            if fresh > self._pages.num_free - keep:
                 self._reclaim_dead_locked()
                 self._slots.expire(time.monotonic())
-            return self._slots.reserve(num_pages, expected_ops, timeout_s, self._me, secret,
-                                       keep)
+                shared = self._cache.chain(list(keys)[:len(shared)])   # may have changed
+                fresh = num_pages - len(shared)
+            slot, gen, pages = self._slots.reserve(fresh, expected_ops, timeout_s, self._me,
+                                                   secret, keep, shared)
+            return slot, gen, pages, len(shared)
 
     def max_reservable_pages(self) -> int:
         """The most pages one reservation can ever get (the pool less its headroom)."""
@@ -363,6 +387,79 @@ class SharedKVPool:
         with self._locked():
             self._pages.release(pages, self._me)
 
+    # -- the prefix cache (pool_cache.py) -----------------------------------------------
+    @property
+    def caching(self) -> bool:
+        """Whether this pool has a prefix cache (``spec.max_pins`` > 0)."""
+        return self._cache.enabled
+
+    def cache_root(self) -> bytes | None:
+        """The model key the cache's owner roots its chains at (None: no owner)."""
+        with self._locked():
+            return self._cache.root if self._cache.owner else None
+
+    def cache_lookup(self, keys: list[bytes]) -> int:
+        """How many of ``keys``' first pages are cached (nothing is taken)."""
+        with self._locked():
+            return len(self._cache.chain(list(keys)))
+
+    def become_cache_owner(self, root: bytes) -> None:
+        """This process publishes from now on, its chains rooted at ``root`` (its model
+        and version); what a previous owner cached is dropped, and reservations that
+        share its pages fail (a rolled version shares nothing with the old)."""
+        with self._locked():
+            self._slots.fail_pinning(CANCELLED)
+            self._pages.free(self._cache.set_owner(self._me, root))
+
+    def _owning_cache(self) -> bool:
+        return self._cache.owner == self._me
+
+    def cache_match(self, keys: list[bytes]) -> list[int]:
+        """The owner takes (holds) the pages of the longest cached prefix of ``keys``."""
+        with self._locked():
+            if not self._owning_cache():
+                return []
+            pages = self._cache.chain(list(keys))
+            self._cache.hold(pages)
+            return pages
+
+    def cache_hold(self, pages) -> None:
+        """The owner holds ``pages`` for a sequence (cached ones stop being evictable)."""
+        with self._locked():
+            if self._owning_cache():
+                self._cache.hold(pages)
+
+    def cache_free(self, pages) -> None:
+        """The owner's last hold on each of ``pages`` ended: cached ones stay (evictable),
+        the others are freed."""
+        pages = np.asarray(list(pages), dtype=np.int64)
+        with self._locked():
+            self._pages.release(self._cache.unhold(pages), self._me)
+
+    def cache_publish(self, page: int, key: bytes) -> bool:
+        """Cache the owner's held ``page`` (its KV complete) under ``key``; False when
+        the key is cached already, or this process no longer owns the cache."""
+        with self._locked():
+            return self._owning_cache() and self._cache.publish(page, key)
+
+    def cache_drop(self, pages) -> int:
+        """Unpublish those of ``pages`` only the owner holds (their sequence failed)."""
+        with self._locked():
+            return self._cache.drop(pages) if self._owning_cache() else 0
+
+    def cache_reset(self) -> int:
+        """Drop every key (held pages stay with their holders); returns how many pages
+        were cached."""
+        with self._locked():
+            n = self._cache.num_cached()
+            self._pages.free(self._cache.reset())
+            return n
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(pages cached, evictions since the pool was made)."""
+        with self._locked():
+            return self._cache.num_cached(), self._cache.evictions()
+
     @property
     def num_free(self) -> int:
         return self._pages.num_free
@@ -380,7 +477,7 @@ class SharedKVPool:
             hdr = self._ctl.hdr
             return PoolStats(free, reserved, self.spec.num_pages - free - reserved,
                              self._slots.num_active(), int(hdr[H_RECLAIMED]), int(hdr[H_FAILED]),
-                             int(hdr[H_CANCELLED]))
+                             int(hdr[H_CANCELLED]), self._cache.num_cached())
 
 
 class SharedPageAllocator:

@@ -47,7 +47,9 @@ class Transfer:
         total = 0
         for m, lo in zip(plan.models, plan.layer_ops):
             rows = np.flatnonzero(lo.src_rank == rank)
-            final = np.minimum((lo.first[rows] + lo.npages[rows]) * ps, desc.num_tokens)
+            # absolute token positions: the first pages may be decode's already
+            final = np.minimum((desc.first_page + lo.first[rows] + lo.npages[rows]) * ps,
+                               desc.num_tokens)
             order = np.argsort(final, kind="stable")
             self._rows.append(rows[order].tolist())
             self._final.append(final[order].tolist())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .plan import DTYPE_SIZES, KV_LAYOUTS, ModelSpec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3   # 3: descriptors carry first_page (prefix caching)
 
 KIND_DATA = 1
 KIND_CONTROL = 2
