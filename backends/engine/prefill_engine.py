@@ -13,6 +13,17 @@ With speculation the engine also fills the proposer's KV (draft model or MTP hea
 every chunk right after the target's forward — same page ids, its own pool — and
 announces that forward to the hooks under the proposer's KV name.
 
+With ``enable_prefix_caching`` (the default) the engine keeps a prefix cache of its own,
+keyed as the colocated engine keys its pages (:class:`.prefix_caching.PrefixCaching`:
+model fingerprint and version, the request's ``cache_salt``; with an MTP head a page's
+key covers the token after it). An admitted request takes the longest cached chain of
+full pages of ``prompt[:-1]`` short of its last token (whose hidden state the decoder
+needs, so it is always computed), computes from the first page it lacks, and publishes
+each full page once the target's and the proposer's KV of it are complete; the pages
+it took are in ``req.pages[:req.num_cached // page_size]`` and no forward announces
+them (:class:`PrefillHooks` is told of them at admission through ``req.num_cached``).
+An aborted or failed request withdraws what it alone published.
+
 >>> eng = PrefillEngine.from_config(EngineConfig("checkpoints/demo/target"))  # doctest: +SKIP
 >>> eng.add("r0", [1, 2, 3, 4])                                               # doctest: +SKIP
 >>> done = eng.step()            # one chunked-prefill forward; finished ones  # doctest: +SKIP
@@ -28,10 +39,12 @@ from typing import Callable
 import torch
 
 from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
+from ..kv_cache.prefix_cache import CachingAllocator
 from ..models import load_model
 from .config import EngineConfig
 from .isolation import describe, isolate
 from .model_runner import ForwardBatch, ModelRunner
+from .prefix_caching import PrefixCacheStats, PrefixCaching
 from .proposers import ProposerPrefill, load_proposer_model
 
 log = logging.getLogger(__name__)
@@ -44,8 +57,14 @@ class PrefillRequest:
     request_id: str
     token_ids: list[int]              # prompt[:-1]: the KV this prefill produces
     last_token: int | None = None     # prompt[-1]: the MTP head's last row reads it
+    cache_salt: str | None = None     # prefixes are shared only under the same salt
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_cached: int = 0               # tokens whose KV came from the prefix cache (full pages)
+    # prefix caching: the keys of its full pages; its first num_published pages are in the
+    # cache (the num_cached // page_size it took, then those it published)
+    page_keys: list[bytes] = field(default_factory=list)
+    num_published: int = 0
     hidden: torch.Tensor | None = None   # pre-norm hidden state of the last token, when done
 
     @property
@@ -57,7 +76,9 @@ class PrefillHooks:
     """What a KV messenger sees of the prefill engine (all on the engine's thread)."""
 
     def on_admit(self, req: PrefillRequest) -> None:
-        """Pages were allocated for ``req`` (``req.pages``, in sequence order)."""
+        """Pages were allocated for ``req`` (``req.pages``, in sequence order); its first
+        ``req.num_cached`` tokens' KV (target and proposer) came from the prefix cache and
+        is final: no forward computes it."""
 
     def before_forward(self, chunks: list[tuple[PrefillRequest, int]],
                        model: str = TARGET) -> LayerCallback | None:
@@ -74,9 +95,12 @@ class PrefillEngine:
     def __init__(self, model, pool: KVPagePool, allocator: KVAllocator,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  hooks: PrefillHooks | None = None,
-                 proposer: tuple[str, ProposerPrefill] | None = None):
-        """``proposer``: (its KV name, the filler of its KV) with speculation."""
+                 proposer: tuple[str, ProposerPrefill] | None = None,
+                 prefix: PrefixCaching | None = None):
+        """``proposer``: (its KV name, the filler of its KV) with speculation;
+        ``prefix``: prefix caching on ``allocator`` (a :class:`CachingAllocator`)."""
         self.model, self.pool, self.allocator = model, pool, allocator
+        self.prefix = prefix
         self.proposer_name, self.proposer = proposer or (None, None)
         self.runner = ModelRunner(model, pool)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -102,14 +126,20 @@ class PrefillEngine:
         if spec is not None and spec.has_kv:   # ngram has no KV to fill
             p = load_proposer_model(spec, model, config.dtype, config.device)
             proposer = (spec.kv_name, ProposerPrefill(p, model, pool(p.config)))
-        return cls(model, pool(cfg), PageAllocator(num_pages), config.max_num_batched_tokens,
-                   config.max_num_seqs, hooks, proposer)
+        if config.enable_prefix_caching:
+            allocator = CachingAllocator(num_pages)
+            prefix = PrefixCaching.for_config(config, allocator)
+        else:
+            allocator, prefix = PageAllocator(num_pages), None
+        return cls(model, pool(cfg), allocator, config.max_num_batched_tokens,
+                   config.max_num_seqs, hooks, proposer, prefix)
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, request_id: str, token_ids: list[int],
-            last_token: int | None = None) -> PrefillRequest:
+    def add(self, request_id: str, token_ids: list[int], last_token: int | None = None,
+            cache_salt: str | None = None) -> PrefillRequest:
         """Prefill ``token_ids`` (a prompt without its last token, ``last_token``, which
-        the MTP head's last row needs)."""
+        the MTP head's last row needs); ``cache_salt``: its cached prefixes are shared
+        only with requests of the same salt."""
         if not token_ids:
             raise ValueError("nothing to prefill: a one-token prompt goes straight to decode")
         if self._find(request_id) is not None:
@@ -120,16 +150,22 @@ class PrefillEngine:
                              f"prefill pool has {self.allocator.num_pages}")
         if last_token is None and self.proposer is not None and self.proposer.reads_next_token:
             raise ValueError("the MTP head's KV needs the prompt's last token (last_token)")
-        req = PrefillRequest(request_id, list(token_ids), last_token)
+        req = PrefillRequest(request_id, list(token_ids), last_token, cache_salt)
+        if self.prefix is not None:
+            known = req.token_ids + ([last_token] if last_token is not None else [])
+            req.page_keys = self.prefix.keys(known, cache_salt)
         self.waiting.append(req)
         return req
 
     def release(self, request_id: str) -> None:
-        """Free a finished prefill's pages (its transfer completed or failed)."""
+        """Free a finished prefill's pages (its transfer completed); the pages it
+        published stay cached."""
         req = self.finished.pop(request_id)
         self._free(req)
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (failed, cancelled, its transfer failed): what it
+        alone published leaves the cache, its pages are freed."""
         req = self._find(request_id)
         if req is None:
             return False
@@ -137,8 +173,19 @@ class PrefillEngine:
             if req in queue:
                 queue.remove(req)
         self.finished.pop(request_id, None)
+        if self.prefix is not None and req.pages:
+            self.allocator.withdraw(req.pages[req.num_cached // self.pool.page_size:
+                                              req.num_published])
         self._free(req)
         return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return PrefixCacheStats.of(self.prefix) if self.prefix is not None else None
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page (held pages stay with their requests); returns how many
+        were cached."""
+        return self.prefix.reset() if self.prefix is not None else 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,6 +226,7 @@ class PrefillEngine:
         done = []
         for i, (req, end) in enumerate(chunks):   # nothing above changed a request's state
             req.num_computed = end
+            self._publish(req)     # target and proposer KV of the chunk are both written
             if req.done:
                 req.hidden = hidden[last[i]].clone()
                 self.running.remove(req)
@@ -199,14 +247,34 @@ class PrefillEngine:
 
     def _admit(self) -> None:
         # all pages up front, oldest first (FIFO: a large request is not starved)
+        ps = self.pool.page_size
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = pages_needed(len(req.token_ids), self.pool.page_size)
-            if not self.allocator.can_alloc(need):
+            need = pages_needed(len(req.token_ids), ps)
+            # the last prefilled token is always computed: its hidden state is the context
+            queried = (len(req.token_ids) - 1) // ps
+            cached = self.prefix.take(req.page_keys[:queried]) if self.prefix is not None else []
+            fresh = self.allocator.try_alloc(need - len(cached))
+            if fresh is None:
+                if cached:
+                    self.allocator.free(cached)
                 break
-            req.pages = self.allocator.alloc(need)
+            req.pages = cached + fresh
+            req.num_computed = req.num_cached = len(cached) * ps
+            req.num_published = len(cached)
+            if self.prefix is not None:
+                self.prefix.count_lookup(queried, len(cached))
             self.running.append(self.waiting.popleft())
             self.hooks.on_admit(req)
+
+    def _publish(self, req: PrefillRequest) -> None:
+        if self.prefix is None:
+            return
+        known = len(req.token_ids) + (req.last_token is not None)
+        n = self.prefix.num_publishable(req.num_computed, known)
+        if n > req.num_published:
+            self.prefix.publish_pages(req.pages, req.page_keys, req.num_published, n)
+            req.num_published = n
 
     def _find(self, request_id: str) -> PrefillRequest | None:
         if request_id in self.finished:

@@ -8,6 +8,10 @@ a page it shares. After a step it publishes each page whose KV is complete — t
 target's and, with a draft model or MTP head, the proposer's too (same page ids, its
 own pool): a hit then speculates from its first step. An MTP head's row ``i`` reads
 token ``i + 1``, so a page's key includes the token after it.
+
+The prefill engine of the disaggregated path keeps a cache of its own with the same
+keys (:mod:`.prefill_engine`), through the methods here that work on keys and page
+lists rather than on sequences.
 """
 from __future__ import annotations
 
@@ -47,19 +51,64 @@ def model_fingerprint(config: EngineConfig) -> tuple:
 @dataclass(slots=True)
 class PrefixCaching:
     """Prefix caching on ``allocator`` for sequences of one engine; ``extra_keys`` (the
-    model fingerprint and version) start every key chain, with the request's salt."""
+    model fingerprint and version) start every key chain, with the request's salt.
+
+    The methods on page lists and keys (:meth:`keys`, :meth:`take`,
+    :meth:`num_publishable`, :meth:`publish_pages`, :meth:`count_lookup`) are what the
+    prefill engine uses for its requests; :meth:`match`, :meth:`publish` and
+    :meth:`withdraw` apply them to the colocated engine's sequences.
+    """
     allocator: CachingAllocator
     page_size: int
     extra_keys: tuple
     lookahead: int = 0          # tokens after a page its KV depends on (MTP: 1)
     proposer_kv: bool = False   # a draft model's or MTP head's KV is cached too
 
+    @classmethod
+    def for_config(cls, config: EngineConfig, allocator: CachingAllocator) -> "PrefixCaching":
+        """The keys an engine of ``config`` makes: its model fingerprint and version, one
+        token of lookahead with an MTP head, the proposer's KV cached with a KV proposer."""
+        spec = config.speculative
+        on = spec is not None and spec.enabled
+        return cls(allocator, config.page_size, (model_fingerprint(config), config.model_version),
+                   lookahead=1 if on and spec.method == "mtp" else 0,
+                   proposer_kv=on and spec.has_kv)
+
+    # -- on keys and page lists -----------------------------------------------------------
+    def keys(self, token_ids: list[int], cache_salt: str | None,
+             known: list[bytes] = ()) -> list[bytes]:
+        """Keys of ``token_ids``' full pages that have ``lookahead`` tokens after them;
+        ``known``: the first ones, computed before (extended, not recomputed)."""
+        return page_keys(token_ids, self.page_size, root_key(*self.extra_keys, cache_salt),
+                         known, self.lookahead)
+
+    def take(self, keys: list[bytes]) -> list[int]:
+        """The pages of the longest cached prefix of ``keys``, each now held once more."""
+        return self.allocator.match(keys)
+
+    def num_publishable(self, computed: int, num_tokens: int) -> int:
+        """Full pages whose KV is complete when ``computed`` of ``num_tokens`` known tokens
+        are (with lookahead, a page also needs the tokens after it)."""
+        return min(computed, num_tokens - self.lookahead) // self.page_size
+
+    def publish_pages(self, pages: list[int], keys: list[bytes], start: int, end: int) -> None:
+        """Publish ``pages[start:end]`` under ``keys[start:end]`` (a key cached already
+        leaves its page private)."""
+        for p in range(start, end):
+            self.allocator.publish(pages[p], keys[p])
+
+    def count_lookup(self, queried_pages: int, hit_pages: int) -> None:
+        """An admitted request looked ``queried_pages`` up and found ``hit_pages``."""
+        stats = self.allocator.stats
+        stats.queried_pages += queried_pages
+        stats.hit_pages += hit_pages
+
+    # -- on the engine's sequences --------------------------------------------------------
     def _keys(self, seq: Sequence, num_pages: int) -> list[bytes]:
         if len(seq.page_keys) < num_pages:
             end = min(seq.num_tokens, num_pages * self.page_size + self.lookahead)
-            seq.page_keys = page_keys(seq.token_ids(0, end), self.page_size,
-                                      root_key(*self.extra_keys, seq.params.cache_salt),
-                                      seq.page_keys, self.lookahead)
+            seq.page_keys = self.keys(seq.token_ids(0, end), seq.params.cache_salt,
+                                      seq.page_keys)
         return seq.page_keys[:num_pages]
 
     def match(self, seq: Sequence) -> int | None:
@@ -67,7 +116,7 @@ class PrefixCaching:
         the tokens it need not compute (None: not fresh, its KV is there already)."""
         if seq.pages or seq.num_computed:
             return None
-        pages = self.allocator.match(self._keys(seq, (seq.num_tokens - 1) // self.page_size))
+        pages = self.take(self._keys(seq, (seq.num_tokens - 1) // self.page_size))
         if pages:
             seq.pages = pages
             seq.num_computed = seq.draft.computed = len(pages) * self.page_size
@@ -76,9 +125,7 @@ class PrefixCaching:
 
     def admitted(self, seq: Sequence, hit_tokens: int) -> None:
         """``seq`` was admitted with ``hit_tokens`` from the cache: count the lookup."""
-        stats = self.allocator.stats
-        stats.queried_pages += (seq.num_tokens - 1) // self.page_size
-        stats.hit_pages += hit_tokens // self.page_size
+        self.count_lookup((seq.num_tokens - 1) // self.page_size, hit_tokens // self.page_size)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit_tokens
 
@@ -89,11 +136,10 @@ class PrefixCaching:
         done = seq.num_computed
         if self.proposer_kv:
             done = min(done, seq.draft.computed if proposer_done is None else proposer_done)
-        n = min(done, seq.num_tokens - self.lookahead) // self.page_size
+        n = self.num_publishable(done, seq.num_tokens)
         if n <= seq.num_published:
             return
-        for p, key in enumerate(self._keys(seq, n)[seq.num_published:], seq.num_published):
-            self.allocator.publish(seq.pages[p], key)
+        self.publish_pages(seq.pages, self._keys(seq, n), seq.num_published, n)
         seq.num_published = n
 
     def withdraw(self, seq: Sequence) -> None:
