@@ -70,6 +70,17 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
+def on_distill_rows(seed: int, step: int, fraction: float) -> bool:
+    """Whether step ``step`` trains on the self-distillation rows (else on the corpus):
+    a draw of its own seeded by (seed, step), so resumed runs agree.
+
+    >>> [on_distill_rows(0, s, 1.0) for s in range(3)], [on_distill_rows(0, s, 0.0) for s in range(3)]
+    ([True, True, True], [False, False, False])
+    """
+    u = torch.rand((), generator=batch_generator(seed + 1, step))
+    return bool(u < fraction)
+
+
 def sample_batch(stream: torch.Tensor, batch_size: int, seq_len: int, seed: int,
                  step: int) -> torch.Tensor:
     """[batch_size, seq_len + 1] random windows; deterministic in (seed, step)."""

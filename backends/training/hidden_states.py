@@ -32,9 +32,21 @@ log = logging.getLogger("tandem.train")
 class HiddenStates:
     tokens: torch.Tensor    # [n, W] int64: token windows, each starting at KV position 0
     hidden: torch.Tensor    # [n, W, H]: the target's pre-norm last hidden state of every token
+    lengths: torch.Tensor | None = None     # [n]: tokens before the padding (None: all W)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def batch(self, idx: torch.Tensor, device: str | torch.device = "cpu"
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens, hidden states and lengths of windows ``idx``, cut after the longest of
+        them (attention is causal: the padding after it changes nothing before it)."""
+        if self.lengths is None:
+            return self.tokens[idx].to(device), self.hidden[idx].to(device), None
+        lengths = self.lengths[idx]
+        w = int(lengths.max())
+        return (self.tokens[idx, :w].to(device), self.hidden[idx, :w].to(device),
+                lengths.to(device))
 
 
 def train_windows(stream: torch.Tensor, num_windows: int, window_len: int, seed: int) -> torch.Tensor:
@@ -93,9 +105,11 @@ def target_fingerprint(target_dir: str | Path) -> str:
 
 def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: str | Path,
                     dtype: str = "bfloat16", device: str = "cpu",
-                    target: LlamaForCausalLM | None = None) -> HiddenStates:
+                    target: LlamaForCausalLM | None = None,
+                    lengths: torch.Tensor | None = None) -> HiddenStates:
     """Hidden states of ``windows`` from the cache, or computed (and cached) when the
-    target's weights, the windows or the dtype changed."""
+    target's weights, the windows or the dtype changed; ``lengths``: of right-padded
+    windows (self-distillation rows), kept with them."""
     key = hashlib.sha256()
     key.update(target_fingerprint(target_dir).encode())
     key.update(f"{dtype}:{tuple(windows.shape)}".encode())
@@ -103,7 +117,7 @@ def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: st
     path = Path(cache_dir) / f"hidden-{key.hexdigest()[:16]}.pt"
     if path.is_file():
         log.info("hidden states: cached %s", path)
-        return HiddenStates(windows, torch.load(path))
+        return HiddenStates(windows, torch.load(path), lengths)
     if target is None:
         target = load_model(target_dir, dtype, device)
     t0 = time.monotonic()
@@ -115,4 +129,4 @@ def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: st
     tmp = path.with_suffix(".tmp")
     torch.save(hidden, tmp)
     tmp.replace(path)
-    return HiddenStates(windows, hidden)
+    return HiddenStates(windows, hidden, lengths)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import LlamaForCausalLM, ModelConfig, forward_dense, load_model
-from .data import TokenData, next_token_windows, prepare_data, sample_batch
+from .data import TokenData, next_token_windows, on_distill_rows, prepare_data, sample_batch
 from .hf_export import save_hf_checkpoint
 from .loop import (OptimConfig, StateFile, adamw, autocast, config_section, replacing_dir,
                    run_training)
@@ -43,6 +43,8 @@ class DataConfig:
     val_fraction: float = 0.05
     root: str | None = None         # corpus root; None = this interpreter's stdlib
     tokenizer: str | None = None    # reuse a tokenizer directory (a draft uses its target's)
+    distill_data: str | None = None  # `tandem train distill-data` output: the target's own text
+    distill_fraction: float = 1.0   # share of steps whose batch comes from distill_data
 
 
 @dataclass(slots=True)
@@ -170,6 +172,7 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
     d = cfg.data
     data: TokenData = prepare_data(work, d.vocab_size, d.val_fraction, d.root, d.tokenizer, o.seq_len)
     ids = special_ids(data.tokenizer)
+    distilled = load_distilled_streams(d.distill_data, data) if d.distill_data else None
     model = build_model(cfg, model_config(cfg, data.tokenizer.get_vocab_size(), ids))
     opt = adamw(model, o)
     teacher = load_teacher(cfg.distill, model.config) if cfg.distill is not None else None
@@ -180,6 +183,13 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
              json.dumps(cfg.model), n_params / 1e6, data.train.numel(), data.validation.numel(),
              torch.get_num_threads())
     val_eval = next_token_windows(data.validation, o.seq_len, o.eval_windows)
+    val_distill = None
+    if distilled is not None:
+        log.info("self-distillation data %s: %d train tokens (%.0f%% of the steps), %d "
+                 "validation tokens", d.distill_data, distilled["train"].numel(),
+                 100 * d.distill_fraction, distilled["validation"].numel())
+        if distilled["validation"].numel() > o.seq_len + 1:
+            val_distill = next_token_windows(distilled["validation"], o.seq_len, o.eval_windows)
 
     def summary(final_val: float | None = None) -> dict:
         return {"params": n_params, "step": progress.step, "steps_planned": o.steps,
@@ -199,8 +209,12 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
         val = evaluate(model, val_eval, o.amp, o.batch_size)
         history.append({"step": progress.step, "train_loss": round(figures[0], 4),
                         "val_loss": round(val, 4), "wall_time_s": round(progress.wall_time_s, 1)})
-        log.info("step %d val_loss %.4f (eval %.1f s)", progress.step, val,
-                 time.monotonic() - t_eval)
+        if val_distill is not None:     # the target's own continuations of validation prompts
+            history[-1]["val_loss_distill"] = round(
+                evaluate(model, val_distill, o.amp, o.batch_size), 4)
+        log.info("step %d val_loss %.4f%s (eval %.1f s)", progress.step, val,
+                 f" on the target's text {history[-1]['val_loss_distill']:.4f}"
+                 if val_distill is not None else "", time.monotonic() - t_eval)
         if round(val, 4) <= min(h["val_loss"] for h in history):  # history holds rounded values
             # the corpus is small and repeated: keep the best weights seen
             export_checkpoint(model, data.tokenizer_dir, work / "best", ids, summary())
@@ -210,6 +224,8 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
         export_checkpoint(model, data.tokenizer_dir, work / "latest", ids, summary())
 
     def batch_at(step: int) -> torch.Tensor:
+        if distilled is not None and on_distill_rows(o.seed, step, d.distill_fraction):
+            return sample_batch(distilled["train"], o.batch_size, o.seq_len, o.seed, step)
         return sample_batch(data.train, o.batch_size, o.seq_len, o.seed, step)
 
     run_training(model, opt, o, progress, max_steps=max_steps, batch_at=batch_at,
@@ -224,6 +240,20 @@ def train_lm(cfg: LMTrainConfig, work_dir: str | Path, out_dir: str | Path | Non
         log.info("exported to %s (best periodic val_loss at step %s: see %s)",
                  out_dir, result["best_val_step"], work / "best")
     return result
+
+
+def load_distilled_streams(path: str | Path, data: TokenData) -> dict[str, torch.Tensor]:
+    """The token streams of a ``tandem train distill-data`` directory (its rows
+    concatenated), which must share the run's tokenizer."""
+    path = Path(path)
+    if not (path / "tokens.pt").is_file():
+        raise FileNotFoundError(f"data.distill_data {path}: no tokens.pt; make it with "
+                                "`tandem train distill-data --target ... --out DIR`")
+    theirs, ours = path / "tokenizer.json", data.tokenizer_dir / "tokenizer.json"
+    if theirs.is_file() and ours.is_file() and theirs.read_bytes() != ours.read_bytes():
+        raise ValueError(f"data.distill_data {path}: its tokenizer.json differs from this "
+                         f"run's ({ours})")
+    return torch.load(path / "tokens.pt")
 
 
 def build_model(cfg: LMTrainConfig, mcfg: ModelConfig) -> LlamaForCausalLM:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from ..models import LlamaForCausalLM, load_model
 from ..models.mtp import MTPHead, save_mtp_head
-from .data import batch_generator
+from .data import batch_generator, on_distill_rows
+from .distill import DistillRows
 from .hidden_states import (HiddenStates, first_windows, load_or_compute, target_fingerprint,
                             train_windows)
 from .lm import init_weights
@@ -65,21 +66,28 @@ class MTPConfig:
     reg_weight: float = 0.1         # smooth L1 of g_i onto h_{i+1}
     unroll: int = 1                 # draft steps trained per row (training-time test)
     unroll_decay: float = 0.5       # weight of step p is unroll_decay ** (p - 1)
+    distill_fraction: float = 1.0   # with --distill-data: share of steps on its rows (the rest
+                                    # on num_windows windows of the corpus stream)
 
 
 @dataclass(slots=True)
 class MTPTrainConfig:
     mtp: MTPConfig = field(default_factory=MTPConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    init_from: str | None = None    # a trained head to fine-tune (e.g. on self-distillation data)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MTPTrainConfig":
-        allowed = {"mtp", "optim", "comment"}
+        allowed = {"mtp", "optim", "init_from", "comment"}
         if set(d) - allowed:
             raise ValueError(f"{CONFIG_NAME}: unknown sections {sorted(set(d) - allowed)}; "
                              f"allowed: {', '.join(sorted(allowed))}")
         cfg = cls(config_section(MTPConfig, d.get("mtp", {}), CONFIG_NAME),
-                  config_section(OptimConfig, d.get("optim", {}), CONFIG_NAME))
+                  config_section(OptimConfig, d.get("optim", {}), CONFIG_NAME),
+                  d.get("init_from"))
+        if not 0.0 <= cfg.mtp.distill_fraction <= 1.0:
+            raise ValueError(f"mtp.distill_fraction {cfg.mtp.distill_fraction} is invalid; "
+                             "allowed: a number in [0, 1]")
         if cfg.mtp.ce_labels not in ("target", "data"):
             raise ValueError(f"mtp.ce_labels {cfg.mtp.ce_labels!r} is invalid; allowed: target, data")
         if cfg.mtp.unroll < 1:
@@ -91,7 +99,7 @@ class MTPTrainConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict:
-        return {"mtp": asdict(self.mtp), "optim": asdict(self.optim)}
+        return {"mtp": asdict(self.mtp), "optim": asdict(self.optim), "init_from": self.init_from}
 
 
 # -- the head's training forward ---------------------------------------------------------
@@ -155,34 +163,60 @@ def unrolled_forward(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tens
     return out
 
 
+def label_mask(lengths: torch.Tensor | None, rows: int, p: int) -> torch.Tensor | None:
+    """[B, rows] bool: the rows of draft step ``p`` whose label ``t_{i+p+1}`` lies before
+    the padding of windows with ``lengths`` tokens (None: every row, no padding).
+
+    >>> label_mask(torch.tensor([4, 6]), rows=4, p=1).int().tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 1]]
+    """
+    if lengths is None:
+        return None
+    return torch.arange(rows, device=lengths.device)[None, :] + p + 1 < lengths[:, None]
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of per-row values x [B, r] over the rows of ``mask`` (all of them if None)."""
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
 def mtp_loss(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
-             cfg: MTPConfig, amp: str = "bf16") -> StepLosses:
-    """Loss of a batch of windows: tokens [B, W], the target's hidden states [B, W, H]."""
+             cfg: MTPConfig, amp: str = "bf16", lengths: torch.Tensor | None = None) -> StepLosses:
+    """Loss of a batch of windows: tokens [B, W], the target's hidden states [B, W, H];
+    ``lengths`` [B] (self-distillation rows are right-padded): rows whose label is padding
+    do not count."""
     hidden = hidden.to(target.embed_tokens.weight.dtype)
     total = torch.zeros((), device=tokens.device)
     ce_l, kl_l, reg_l, top1_l = [], [], [], []
     with autocast(amp):
         steps = unrolled_forward(head, target, tokens, hidden, cfg.unroll)
     for p, g in enumerate(steps, 1):
-        r = g.shape[1]
+        b, r = g.shape[:2]
+        mask = label_mask(lengths, r, p)
         want = hidden[:, p:p + r]                       # h_{i+p}
         with autocast(amp):
             logits = target.compute_logits(g)
             with torch.no_grad():
                 t_logits = target.compute_logits(want)  # the target's own next-token logits
         if cfg.ce_labels == "target":
-            ce = F.cross_entropy(logits.flatten(0, 1), t_logits.flatten(0, 1).softmax(-1))
+            ce = F.cross_entropy(logits.flatten(0, 1), t_logits.flatten(0, 1).softmax(-1),
+                                 reduction="none")
         else:
-            ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, p + 1:p + 1 + r].reshape(-1))
-        reg = F.smooth_l1_loss(g.float(), want.float())
+            ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, p + 1:p + 1 + r].reshape(-1),
+                                 reduction="none")
+        ce = _mean(ce.view(b, r), mask)
+        reg = _mean(F.smooth_l1_loss(g.float(), want.float(), reduction="none").mean(-1), mask)
         total = total + cfg.unroll_decay ** (p - 1) * (cfg.ce_weight * ce + cfg.reg_weight * reg)
         with torch.no_grad():
             t_logp = t_logits.float().log_softmax(-1)
-            kl = (t_logp.exp() * (t_logp - logits.float().log_softmax(-1))).sum(-1).mean()
+            kl = _mean((t_logp.exp() * (t_logp - logits.float().log_softmax(-1))).sum(-1), mask)
+            top1 = _mean((logits.argmax(-1) == t_logits.argmax(-1)).float(), mask)
         ce_l.append(ce.item())
         kl_l.append(kl.item())
         reg_l.append(reg.item())
-        top1_l.append((logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item())
+        top1_l.append(top1.item())
     return StepLosses(total, ce_l, kl_l, reg_l, top1_l)
 
 
@@ -198,8 +232,8 @@ def evaluate(head: MTPHead, target: LlamaForCausalLM, data: HiddenStates, cfg: M
     device = target.embed_tokens.weight.device
     sums, n = None, 0
     for a in range(0, len(data), batch_size):
-        tok = data.tokens[a:a + batch_size].to(device)
-        s = mtp_loss(head, target, tok, data.hidden[a:a + batch_size].to(device), cfg, amp)
+        tok, hid, lengths = data.batch(torch.arange(a, min(a + batch_size, len(data))), device)
+        s = mtp_loss(head, target, tok, hid, cfg, amp, lengths)
         row = s.ce + s.kl + s.reg + s.top1
         sums = [x * len(tok) for x in row] if sums is None else \
             [acc + x * len(tok) for acc, x in zip(sums, row)]
@@ -247,13 +281,18 @@ def load_token_streams(data: str | Path | None, target_dir: str | Path,
 def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
               work_dir: str | Path, out_dir: str | Path | None = None, device: str = "cpu",
               resume: bool = False, max_steps: int | None = None, command: str | None = None,
-              hidden_cache: str | Path | None = None) -> dict:
+              hidden_cache: str | Path | None = None,
+              distill: dict[str, DistillRows] | None = None) -> dict:
     """Precompute (or reuse) hidden states, train, and export the head with the best
     validation top-1 agreement to ``out_dir`` (bf16). Returns the training summary.
 
     ``hidden_cache`` (default ``work_dir/hidden``) can be shared by runs on one target
     (e.g. the variants with and without norms); entries are keyed by the target's
-    weights, the token windows and the dtype."""
+    weights, the token windows and the dtype.
+
+    ``distill`` (:func:`.distill.load_distill_rows`): the target's own continuations of
+    training prompts; ``mtp.distill_fraction`` of the steps train on them (the rest on
+    ``mtp.num_windows`` windows of ``data``) and validation uses their validation rows."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     m, o = cfg.mtp, cfg.optim
@@ -268,23 +307,32 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
     (work / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     cache = Path(hidden_cache) if hidden_cache is not None else work / "hidden"
-    train_hs, val_hs, width = target_hidden_states(cfg, target_dir, data, cache, device)
+    train_hs, distill_hs, val_hs, width = target_hidden_states(cfg, target_dir, data, cache,
+                                                               device, distill)
     target = load_model(target_dir, "float32", device)     # frozen: embeddings, norm, lm_head
     torch.manual_seed(o.seed)
     head = MTPHead(target.config, use_norms=m.use_norms).to(device)
     init_weights(head, o.init_std)
+    if cfg.init_from is not None:
+        load_head_weights(head, cfg.init_from, target_dir)
     opt = adamw(head, o)
     progress = states.restore(state, head, opt)
     best = state["best"] if state is not None else None
     n_params = sum(p.numel() for p in head.parameters())
     fingerprint = target_fingerprint(target_dir)
-    log.info("MTP head (norms %s): %.2fM params on target %s (%s); %d train windows x %d tokens, "
-             "%d validation windows; threads %d", m.use_norms, n_params / 1e6, target_dir,
-             fingerprint, len(train_hs), width, len(val_hs), torch.get_num_threads())
+    sets = [hs for hs in (train_hs, distill_hs) if hs is not None]
+    train_tokens = sum(len(hs) * width if hs.lengths is None else int(hs.lengths.sum())
+                       for hs in sets)
+    log.info("MTP head (norms %s): %.2fM params on target %s (%s)%s; %d corpus windows x %d "
+             "tokens, %d self-distillation rows (%.0f%% of the steps), %d validation windows; "
+             "threads %d", m.use_norms, n_params / 1e6, target_dir, fingerprint,
+             f", from {cfg.init_from}" if cfg.init_from else "", len(train_hs or ()), width,
+             len(distill_hs or ()), 100 * m.distill_fraction if distill_hs else 0, len(val_hs),
+             torch.get_num_threads())
 
     def summary() -> dict:
         return {"params": n_params, "use_norms": m.use_norms, "step": progress.step,
-                "steps_planned": o.steps, "train_tokens": len(train_hs) * width,
+                "steps_planned": o.steps, "train_tokens": train_tokens,
                 "tokens_seen": progress.step * o.batch_size * width,
                 "wall_time_s": round(progress.wall_time_s, 1), "threads": torch.get_num_threads(),
                 "seed": o.seed, "device": device, "target": str(target_dir),
@@ -313,13 +361,14 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
             best = {"step": progress.step, "top1": val["top1"][0], "kl": val["kl"][0]}
             export(work / "best")
 
-    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.randint(0, len(train_hs), (o.batch_size,),
-                            generator=batch_generator(o.seed, step))
-        return train_hs.tokens[idx].to(device), train_hs.hidden[idx].to(device)
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        hs = sets[0] if len(sets) == 1 else \
+            distill_hs if on_distill_rows(o.seed, step, m.distill_fraction) else train_hs
+        idx = torch.randint(0, len(hs), (o.batch_size,), generator=batch_generator(o.seed, step))
+        return hs.batch(idx, device)
 
-    def train_loss(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
-        s = mtp_loss(head, target, *batch, m, o.amp)
+    def train_loss(batch) -> tuple[torch.Tensor, list[float]]:
+        s = mtp_loss(head, target, *batch[:2], m, o.amp, batch[2])
         return s.loss, [s.loss.item(), s.kl[0], s.reg[0], s.top1[0]]
 
     def save() -> None:
@@ -342,9 +391,12 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
 
 
 def target_hidden_states(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
-                         cache: Path, device: str) -> tuple[HiddenStates, HiddenStates, int]:
-    """The target's hidden states of the training and validation windows (from ``cache``
-    or computed), and the window width."""
+                         cache: Path, device: str, distill: dict[str, DistillRows] | None = None
+                         ) -> tuple[HiddenStates | None, HiddenStates | None, HiddenStates, int]:
+    """The target's hidden states (from ``cache`` or computed) of the corpus's training
+    windows (None when every step trains on self-distillation rows), of the
+    self-distillation rows (None without them), of the validation windows (the rows'
+    when there are rows), and the corpus windows' width."""
     m, o = cfg.mtp, cfg.optim
     serving = load_model(target_dir, m.hidden_dtype, device)
     width = min(o.seq_len, serving.config.max_position_embeddings)
@@ -353,11 +405,43 @@ def target_hidden_states(cfg: MTPTrainConfig, target_dir: str | Path, data: Toke
         if s.numel() and (int(s.max()) >= vocab or int(s.min()) < 0):
             raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
                              f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
-    train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width, o.seed),
-                               cache, m.hidden_dtype, device, serving)
-    val_hs = load_or_compute(target_dir, first_windows(data.validation, o.eval_windows, width),
-                             cache, m.hidden_dtype, device, serving)
-    return train_hs, val_hs, width
+    train_hs = distill_hs = None
+    if distill is None or (m.distill_fraction < 1.0 and m.num_windows > 0):
+        train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width,
+                                                             o.seed),
+                                   cache, m.hidden_dtype, device, serving)
+    if distill is None:
+        val_hs = load_or_compute(target_dir, first_windows(data.validation, o.eval_windows, width),
+                                 cache, m.hidden_dtype, device, serving)
+        return train_hs, None, val_hs, width
+    rows, val_rows = distill["train"], distill["validation"]
+    if rows.windows.shape[1] > serving.config.max_position_embeddings:
+        raise ValueError(f"--distill-data: rows of {rows.windows.shape[1]} tokens exceed the "
+                         f"target's {serving.config.max_position_embeddings} positions")
+    distill_hs = load_or_compute(target_dir, rows.windows, cache, m.hidden_dtype, device,
+                                 serving, rows.lengths)
+    n_val = min(o.eval_windows, len(val_rows))
+    val_hs = load_or_compute(target_dir, val_rows.windows[:n_val], cache, m.hidden_dtype,
+                             device, serving, val_rows.lengths[:n_val])
+    return train_hs, distill_hs, val_hs, width
+
+
+def load_head_weights(head: MTPHead, init_from: str | Path, target_dir: str | Path) -> None:
+    """Start from a saved head (``init_from``): same shape and norms; one trained for other
+    target weights is allowed (a starting point) but logged."""
+    from safetensors.torch import load_file
+    path = Path(init_from)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"init_from {path}: no config.json (an MTP head directory)")
+    saved = json.loads(cfg_file.read_text())
+    if saved.get("use_norms", True) != head.use_norms:
+        raise ValueError(f"init_from {path}: use_norms {saved.get('use_norms')} differs from "
+                         f"this config's {head.use_norms}")
+    head.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+    if saved.get("target_fingerprint") != target_fingerprint(target_dir):
+        log.warning("init_from %s: trained for target %s, not %s", path,
+                    saved.get("target_fingerprint"), target_fingerprint(target_dir))
 
 
 def _describe(val: dict) -> str:

@@ -7,6 +7,8 @@
     tandem train mtp --target checkpoints/demo/target --out checkpoints/demo/mtp   (tandem.client.train.mtp)
     tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \
         --mtp mtp=checkpoints/demo/mtp
+    tandem train distill-data --target checkpoints/demo/target --out .cache/train/distill
+        (tandem.client.train.distill)
 
 The CLI (``tandem.client.cli``) registers this module with ``add_parser(subparsers)``.
 """
@@ -16,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.client.train import mtp
+from tandem.client.train import distill, mtp
 from tandem.client.train.run import add_run_options, start_run
 
 
@@ -48,6 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sa.set_defaults(func=run_sample)
 
     mtp.add_subcommands(sub)   # mtp, mtp-eval, token-frequencies
+    distill.add_subcommands(sub)   # distill-data
     return p
 
 

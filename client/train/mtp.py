@@ -4,6 +4,9 @@ proposers' frequent-token vocabulary. Registered by ``tandem.client.train.cli``.
 
     tandem train mtp --target checkpoints/demo/target --data .cache/train/target/data \\
         --out checkpoints/demo/mtp [--no-norms] [--config configs/mtp.json] [--device cuda]
+    tandem train mtp --target checkpoints/demo/target --data .cache/train/target/data \
+        --distill-data .cache/train/distill --init-from checkpoints/demo/mtp \
+        --config configs/mtp_selfdistill.json --out checkpoints/demo/mtp
     tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \\
         --mtp mtp=checkpoints/demo/mtp --mtp mtp_no_norms=.cache/train/mtp-no-norms/head
 
@@ -41,6 +44,11 @@ def add_subcommands(sub) -> None:
                    help="state.pt, best/ and logs (default .cache/train/mtp[-no-norms])")
     p.add_argument("--hidden-cache", default=".cache/train/mtp-hidden",
                    help="where the target's hidden states are cached (shared by runs)")
+    p.add_argument("--distill-data", default=None,
+                   help="rows from `tandem train distill-data` (the target's own continuations): "
+                        "mtp.distill_fraction of the steps train on them, validation uses theirs")
+    p.add_argument("--init-from", default=None,
+                   help="a trained head to fine-tune (overrides the config's init_from)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_run_options(p)
     p.add_argument("--restart", action="store_true",
@@ -96,19 +104,23 @@ def run_token_frequencies(args: argparse.Namespace) -> int:
 
 
 def run_mtp(args: argparse.Namespace) -> int:
+    from tandem.backends.training.distill import load_distill_rows
     from tandem.backends.training.mtp import MTPTrainConfig, load_token_streams, train_mtp
 
     cfg = MTPTrainConfig.from_file(args.config or DEFAULT_CONFIG)
     if args.no_norms:
         cfg.mtp.use_norms = False
+    if args.init_from:
+        cfg.init_from = args.init_from
     work = Path(args.work_dir or f".cache/train/mtp{'' if cfg.mtp.use_norms else '-no-norms'}")
     if args.restart:
         (work / "state.pt").unlink(missing_ok=True)
     command = start_run(args, work, "mtp")
     data = load_token_streams(args.data, args.target, work)
+    distill = load_distill_rows(args.distill_data, args.target) if args.distill_data else None
     result = train_mtp(cfg, args.target, data, work, args.out, device=args.device,
                        resume=args.resume, max_steps=args.max_steps, command=command,
-                       hidden_cache=args.hidden_cache)
+                       hidden_cache=args.hidden_cache, distill=distill)
     best = result["best"] or {}
     print(f"step {result['step']}/{result['steps_planned']}  best validation top-1 "
           f"{best.get('top1', float('nan')):.3f} at step {best.get('step')}  work dir {work}")

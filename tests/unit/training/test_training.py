@@ -240,7 +240,8 @@ def test_train_cli_parses_and_reports_config_errors(tmp_path, capsys):
     assert "unknown OptimConfig keys ['learning_rate']" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["target.json", "draft.json", "draft_distill.json"])
+@pytest.mark.parametrize("name", ["target.json", "draft.json", "draft_distill.json",
+                                  "draft_selfdistill.json"])
 def test_shipped_configs_parse(name):
     from pathlib import Path
 
