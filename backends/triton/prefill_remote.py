@@ -1,6 +1,8 @@
 """The ``prefill`` model's remote role (``prefill_endpoints`` set): it computes nothing
 and forwards each job to a prefill server (:class:`~.prefill_router.PrefillRouter`),
-which streams the KV over UCX straight into this server's reserved pages."""
+which streams the KV over UCX straight into this server's reserved pages; with several,
+the one whose prefix cache likely holds the prompt's prefix, balanced against load
+(``prefill_routing``)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,8 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from .prefill_model import PrefillModel
+from tandem.backends.disagg.prefix_affinity import AffinityPolicy
+
 from .prefill_router import PrefillRouter, parse_endpoints
 from .settings import EngineSettings
 
@@ -16,8 +20,13 @@ class RemotePrefillModel(PrefillModel):
     def initialize(self, args: dict) -> None:
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.load_board = None   # decode's board, opened once decode has made it
-        self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints), on_down=self._prefill_down)
-        pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)}")
+        # the prefix index counts in this server's pages (its descriptors'); a backlog
+        # drains as fast as conditional routing assumes the prefill side works
+        affinity = AffinityPolicy(page_size=s.page_size, tokens_per_s=s.routing_policy().prefill_tokens_per_s)
+        self.router = PrefillRouter(parse_endpoints(s.prefill_endpoints), on_down=self._prefill_down,
+                                    routing=s.prefill_routing, affinity=affinity)
+        pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)} "
+                                 f"({s.prefill_routing})")
 
     def take(self, desc, desc_arr, ids_arr) -> None:
         # the prefill server parses the descriptor again: it travels as it came;

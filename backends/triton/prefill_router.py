@@ -5,8 +5,11 @@ nothing; it forwards each job (``input_ids`` and the destination descriptor that
 kv_transfer returned) to the ``prefill`` model of a prefill server over Triton's
 gRPC API, and that server streams the KV over UCX straight into the decode server's
 reserved pages (the descriptor carries the receiver's worker address). One prefill
-server can so feed several decode servers; a decode server spreads its jobs over its
-endpoints round robin, skipping one that fails.
+server can so feed several decode servers. A decode server sends each job to the
+endpoint whose prefix cache likely holds the longest prefix of the prompt, balanced
+against the work it already sent there (``prefill_routing="cache_aware"``, the default:
+:mod:`tandem.backends.disagg.prefix_affinity`), or round robin (``"round_robin"``);
+the other endpoints are the fallbacks, in that order, and one that fails is skipped.
 
 A prefill server acks a job at once (it only queues it), so a job waits at most
 :data:`ACK_TIMEOUT_S` for its ack: this model serves the decode server's local-path
@@ -28,6 +31,9 @@ import time
 from typing import Callable
 
 import numpy as np
+
+from tandem.backends.disagg.prefix_affinity import (CACHE_AWARE, PREFILL_ROUTINGS, AffinityPolicy,
+                                                    PrefixAffinity, prompt_keys, try_order)
 
 from .disagg_common import INPUT_IDS, KV_DESCRIPTOR
 
@@ -89,12 +95,18 @@ def parse_endpoints(text: str) -> list[str]:
 
 class PrefillRouter:
     def __init__(self, endpoints: list[str], timeout_s: float = ACK_TIMEOUT_S, model: str = PREFILL_MODEL,
-                 on_down: Callable[[float | None], None] | None = None):
+                 on_down: Callable[[float | None], None] | None = None, routing: str = CACHE_AWARE,
+                 affinity: AffinityPolicy = AffinityPolicy()):
         """``on_down(until)``: called when no endpoint took a job, with the
         ``time.monotonic()`` before which none is worth another try (conditional routing
-        prefills in decode meanwhile), and with None when one takes a job again."""
+        prefills in decode meanwhile), and with None when one takes a job again.
+        ``routing``: one of :data:`PREFILL_ROUTINGS`; ``affinity``: its weights."""
         if not endpoints:
             raise ValueError("prefill_endpoints: at least one host:port is needed")
+        if routing not in PREFILL_ROUTINGS:
+            raise ValueError(f"prefill_routing {routing!r}; allowed: {', '.join(PREFILL_ROUTINGS)}")
+        self.routing = routing
+        self._affinity = PrefixAffinity(len(endpoints), affinity) if routing == CACHE_AWARE else None
         self.endpoints, self.timeout_s, self.model = list(endpoints), timeout_s, model
         self._on_down = on_down or (lambda until: None)
         self._clients: dict[str, object] = {}
@@ -110,21 +122,37 @@ class PrefillRouter:
                 c = self._clients[url] = grpcclient.InferenceServerClient(url)
             return c
 
-    def _failed(self, url: str, error: Exception) -> str:
-        """Mark ``url`` down (unless the server refused this job itself); its channel
-        is dropped, so the next try connects afresh."""
+    def _failed(self, url: str, error: Exception, index: int | None = None) -> str:
+        """Mark ``url`` (endpoint ``index``) down, unless the server refused this job
+        itself; its channel is dropped, so the next try connects afresh, and what the
+        index knew of its cache is forgotten (it may come back restarted, empty)."""
         status = str(error.status()) if hasattr(error, "status") else ""
         text = error.message() if hasattr(error, "message") else str(error)
         if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or not status:
             with self._lock:
                 self._health[url].failed("DEADLINE_EXCEEDED" in status, time.monotonic(), text)
                 client = self._clients.pop(url, None)
+                if self._affinity is not None and index is not None:
+                    self._affinity.forget(index)
             if client is not None:
                 try:
                     client.close()
                 except Exception:   # noqa: BLE001 - a broken channel closes as it can
                     pass
         return f"{url}: {text}"
+
+    def _order(self, ids: list[int]):
+        """The endpoints in the order to try them, and the cache-aware plan behind it."""
+        affinity = self._affinity
+        keys = prompt_keys(ids, affinity.policy.page_size) if affinity is not None else None   # unlocked
+        now = time.monotonic()
+        with self._lock:
+            start = next(self._next)
+            usable = [self._health[url].down_for(now) == 0 for url in self.endpoints]
+            if affinity is None:
+                return try_order((), (), usable, start, cache_aware=False), None
+            placement = affinity.plan(ids, usable, start, now, keys)
+            return placement.order, placement
 
     def submit(self, input_ids: np.ndarray, kv_descriptor: np.ndarray) -> str:
         """Hand one job to a prefill server; returns the endpoint that took it."""
@@ -135,11 +163,10 @@ class PrefillRouter:
                   grpcclient.InferInput(KV_DESCRIPTOR, list(desc.shape), "UINT8")]
         inputs[0].set_data_from_numpy(ids)
         inputs[1].set_data_from_numpy(desc)
-        with self._lock:
-            start = next(self._next)
+        order, placement = self._order(ids[0].tolist())
         errors = []
-        for i in range(len(self.endpoints)):
-            url = self.endpoints[(start + i) % len(self.endpoints)]
+        for i in order:
+            url = self.endpoints[i]
             with self._lock:
                 health = self._health[url]
                 down = health.down_for(time.monotonic())
@@ -149,10 +176,12 @@ class PrefillRouter:
             try:
                 self._client(url).infer(self.model, inputs, client_timeout=self.timeout_s)
             except Exception as e:   # unreachable, hung, or the prefill server refused the job
-                errors.append(self._failed(url, e))
+                errors.append(self._failed(url, e, i))
                 continue
             with self._lock:
                 health.succeeded()
+                if placement is not None:
+                    self._affinity.taken(placement, i, time.monotonic())
             self._on_down(None)
             return url
         now = time.monotonic()

@@ -129,6 +129,10 @@ class EngineSettings:
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
+    prefill_routing: str = setting("cache_aware", "--prefill-routing", choices=("cache_aware", "round_robin"), help=(
+        "with several --prefill-endpoints, which one takes a prompt: cache_aware (default): the one most likely "
+        "to hold a long prefix of it in its prefix cache (from the prompts sent to each), unless that one's "
+        "backlog outweighs the cached tokens; round_robin: in turn"))
     # conditional disaggregation (backends/disagg/routing.py): where kv_transfer sends each prompt
     disagg_policy: str = setting(
         "conditional", "--disagg-policy", "where a disaggregated server prefills each prompt: conditional "

@@ -930,8 +930,8 @@ def prefill_adapter(pb_utils, monkeypatch):
         jobs: list = []
         fail: Exception | None = None
 
-        def __init__(self, endpoints, on_down=None):
-            self.endpoints, self.closed = endpoints, False
+        def __init__(self, endpoints, on_down=None, **options):
+            self.endpoints, self.closed, self.options = endpoints, False, options
 
         def submit(self, ids, desc):
             if FakeRouter.fail is not None:
