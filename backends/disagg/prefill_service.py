@@ -15,6 +15,13 @@ plan is built. A transfer the decode side ends — the request was cancelled, it
 reservation timed out or was refused — aborts that request's prefill: nothing is
 computed for nobody.
 
+With the engine's prefix cache, a request's first pages may come from the cache: no
+forward computes them, so the messenger is told at admission that their KV is final
+(every layer of every model). Pages the decoder already holds (``desc.first_page``: its
+own cache had them) are computed here if not cached — later tokens attend to them —
+but never sent. A request that fails, or whose transfer fails, leaves nothing it alone
+published in the cache.
+
 >>> svc = PrefillService(EngineConfig("checkpoints/demo/target"))   # doctest: +SKIP
 >>> svc.start(); svc.submit(desc, prompt_ids, on_done=print)         # doctest: +SKIP
 """
@@ -51,6 +58,7 @@ class AddJob:
     desc: DestinationDescriptor
     prompt_ids: list[int]
     on_done: DoneCallback
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +120,9 @@ class PrefillService(PrefillHooks):
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, desc: DestinationDescriptor, prompt_ids: list[int],
-               on_done: DoneCallback) -> str:
-        """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation. Raises
+               on_done: DoneCallback, cache_salt: str | None = None) -> str:
+        """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation; ``cache_salt``: the
+        request's prefixes are cached for requests of the same salt only. Raises
         :class:`PrefillClosing` once :meth:`shutdown` began."""
         if len(prompt_ids) - 1 != desc.num_tokens:
             raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
@@ -128,7 +137,8 @@ class PrefillService(PrefillHooks):
                 raise PrefillClosing("this prefill server is shutting down; retry on another")
             self._pending += 1
         rid = f"prefill-{next(self._ids)}"
-        job = AddJob(rid, desc, list(prompt_ids), functools.partial(self._settle, on_done))
+        job = AddJob(rid, desc, list(prompt_ids), functools.partial(self._settle, on_done),
+                     cache_salt)
         delay = self._faults.prefill_delay_s() if self._faults is not None else 0.0
         if delay:
             timer = threading.Timer(delay, self._inbox.post, (job,))
@@ -156,11 +166,23 @@ class PrefillService(PrefillHooks):
         rid = req.request_id
         desc, _ = self._jobs[rid]
         try:
-            self._transfers[rid] = self.sender.begin(
-                desc, req.pages, on_done=lambda t, rid=rid: self._transfer_done(rid, t))
+            # the decoder's cache holds the first pages: only the rest travel
+            t = self.sender.begin(desc, req.pages[desc.first_page:],
+                                  on_done=lambda t, rid=rid: self._transfer_done(rid, t))
+            self._transfers[rid] = t
+            if req.num_cached:
+                self._announce_final(t, req.num_cached)
         except Exception as e:   # this request alone; it is aborted after the step
             log.exception("request %s: its KV transfer could not start", rid)
             self._inbox.post(FailJob(rid, f"the KV transfer could not start ({e})"))
+
+    def _announce_final(self, t: Transfer, end: int) -> None:
+        """Tokens up to ``end`` came from the prefix cache: their KV, of every model and
+        layer, is final as if a forward had just computed it."""
+        for m in t.plan.models:
+            step = self.sender.step(m.name, {t: end})
+            for layer in range(m.num_layers):
+                step.layer_done(layer)
 
     def before_forward(self, chunks, model=TARGET):
         live = {self._transfers[r.request_id]: end for r, end in chunks
@@ -181,8 +203,8 @@ class PrefillService(PrefillHooks):
                 return
             for msg in items:
                 match msg:
-                    case AddJob(rid, desc, prompt_ids, on_done):
-                        self._add(rid, desc, prompt_ids, on_done)
+                    case AddJob(rid, desc, prompt_ids, on_done, cache_salt):
+                        self._add(rid, desc, prompt_ids, on_done, cache_salt)
                     case FailJob(rid, error):
                         self._abort(rid, error)
                     case TransferEnded(rid, transfer):
@@ -196,21 +218,22 @@ class PrefillService(PrefillHooks):
             for rid, why in self.engine.take_failed():   # one request's failure, alone
                 self._abort(rid, why)
 
-    def _add(self, rid: str, desc, prompt_ids, on_done) -> None:
+    def _add(self, rid: str, desc, prompt_ids, on_done, cache_salt=None) -> None:
         try:
-            self.engine.add(rid, prompt_ids[:-1], last_token=prompt_ids[-1])
+            self.engine.add(rid, prompt_ids[:-1], last_token=prompt_ids[-1],
+                            cache_salt=cache_salt)
         except ValueError as e:
             return _call(on_done, str(e))
         self._jobs[rid] = (desc, on_done)
 
     def _finish(self, rid: str, t) -> None:
         """The transfer ended: every send completed, or it failed (then the prefill,
-        if still running, is pointless)."""
+        if still running, is pointless, and what it published leaves the cache)."""
         self._transfers.pop(rid, None)
         job = self._jobs.pop(rid, None)
         if job is None:
             return   # aborted already
-        if rid in self.engine.finished:
+        if t.error is None and rid in self.engine.finished:
             self.engine.release(rid)
         else:
             self.engine.abort(rid)
