@@ -128,16 +128,18 @@ class PrefixIndex:
         return pages[~cached]
 
     def publish(self, page: int, key: bytes) -> bool:
-        """Cache the owner's held ``page`` under ``key``; False when the key is cached
-        already (another sequence computed the same page) or the page has a key."""
+        """Cache ``page``, which the owner holds outside any reservation, under ``key``;
+        False when the key is cached already (another sequence computed the same page)
+        or the page has a key."""
         c = self._ctl
-        if not c.page_held[page]:
+        if c.page_owner[page] != self.owner or c.page_slot[page] != -1:
             raise ValueError(f"page {page} is not held by the cache's owner; only a held "
                              "page is published")
         if c.page_cached[page] or self.find(key) >= 0:
             return False
         c.page_keys[page] = key_words(key)
         c.page_cached[page] = 1
+        c.page_held[page] = 1
         return True
 
     def drop(self, pages) -> int:

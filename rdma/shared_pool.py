@@ -527,6 +527,9 @@ class SharedPageAllocator:
     def free(self, pages: list[int]) -> None:
         self.pool.free(pages)
 
+    def adopt(self, pages: list[int]) -> None:
+        """Pages a claimed reservation handed over: the pool made them this process's."""
+
 
 __all__ = [
     "SharedKVPool", "SharedPageAllocator", "PoolSpec", "PoolStats", "SlotStatus",

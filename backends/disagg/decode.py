@@ -1,5 +1,6 @@
-"""The decode side: the engine on the shared decode pool, the ticket through which it
-learns that a reservation's KV arrived, and the pool housekeeping decode runs too.
+"""The decode side: the engine on the shared decode pool (with the pool's prefix cache,
+:mod:`.shared_cache`), the ticket through which it learns that a reservation's KV
+arrived, and the pool housekeeping decode runs too.
 """
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from tandem.rdma.descriptor import check_for_pool
 from tandem.rdma.wire import MalformedMessage
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.config import EngineConfig
+from ..engine.prefix_caching import model_root
 from ..engine.remote_prefill import KVTransferFailed
 from .kv_views import shared_page_pool
 from .pool import TARGET
+from .shared_cache import SharedCachingAllocator
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +31,20 @@ class SharedPoolTicket:
     reservation up at once (the receiver stops taking its data and tells the sender).
     """
 
-    __slots__ = ("pool", "slot", "generation", "secret")
+    __slots__ = ("pool", "slot", "generation", "secret", "num_cached_pages", "allocator")
 
-    def __init__(self, pool: SharedKVPool, slot: int, generation: int, secret: bytes | None = None):
+    def __init__(self, pool: SharedKVPool, slot: int, generation: int, secret: bytes | None = None,
+                 num_cached_pages: int = 0, allocator=None):
+        """``num_cached_pages``: the reservation's first pages are decode's cached ones
+        (shared, not received); ``allocator``: the claimer's, which adopts the claimed
+        pages (a caching allocator counts its references to them)."""
         self.pool, self.slot, self.generation, self.secret = pool, slot, generation, secret
+        self.num_cached_pages = num_cached_pages
+        self.allocator = allocator or SharedPageAllocator(pool)
 
     @classmethod
-    def for_descriptor(cls, pool: SharedKVPool, data: bytes,
-                       prompt_len: int | None = None) -> "SharedPoolTicket":
+    def for_descriptor(cls, pool: SharedKVPool, data: bytes, prompt_len: int | None = None,
+                       allocator=None) -> "SharedPoolTicket":
         """The ticket of a descriptor that arrived as bytes, after every check: it
         parses within its limits, points into this pool (slot, page ids, models,
         sharding, context), holds ``prompt_len - 1`` tokens (when given), and names a
@@ -49,7 +59,7 @@ class SharedPoolTicket:
         if not pool.verify(d.slot, d.generation, d.secret):
             raise MalformedMessage(f"no reservation {d.slot}/{d.generation} of this pool has "
                                    "that secret")
-        return cls(pool, d.slot, d.generation, d.secret)
+        return cls(pool, d.slot, d.generation, d.secret, d.first_page, allocator)
 
     def poll(self) -> list[int] | None:
         st = self.pool.poll(self.slot, self.generation)
@@ -59,9 +69,11 @@ class SharedPoolTicket:
         if not st.ready:
             return None
         try:
-            return self.pool.claim(self.slot, self.generation, self.secret)
+            pages = self.pool.claim(self.slot, self.generation, self.secret)
         except ReservationGone as e:
             raise KVTransferFailed(str(e), "gone") from None
+        self.allocator.adopt(pages)
+        return pages
 
     def cancel(self) -> None:
         """Free a READY reservation now; ask the receiver to end a RESERVED one (it
@@ -71,9 +83,11 @@ class SharedPoolTicket:
             self.pool.cancel(self.slot, self.generation, self.secret)
         elif self.pool.poll(self.slot, self.generation).ready:
             try:
-                self.pool.free(self.pool.claim(self.slot, self.generation))
+                pages = self.pool.claim(self.slot, self.generation)
             except ReservationGone:
-                pass
+                return
+            self.allocator.adopt(pages)
+            self.allocator.free(pages)
 
 
 class PoolHousekeeper:
@@ -104,9 +118,17 @@ class PoolHousekeeper:
 
 def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_args) -> AsyncEngine:
     """An :class:`AsyncEngine` whose target KV (and with ``speculative`` in
-    ``engine_args`` the proposer's) lives in ``pool`` (not started)."""
+    ``engine_args`` the proposer's) lives in ``pool`` (not started). With
+    ``enable_prefix_caching`` (the default) and a pool that has a prefix cache, the
+    engine caches prompt pages in the pool, where kv_transfer finds them."""
     m = pool.model(TARGET)
-    engine_args = {"page_size": m.page_size, "kv_layout": m.kv_layout, **engine_args}
+    engine_args = {**engine_args, "page_size": m.page_size, "kv_layout": m.kv_layout}
+    engine_args.pop("num_pages", None)   # the pool's
+    config = EngineConfig(str(model_dir), **engine_args)
+    if config.enable_prefix_caching and pool.caching:
+        allocator = SharedCachingAllocator(pool, model_root(config))
+    else:
+        allocator = SharedPageAllocator(pool)
     spec = engine_args.get("speculative")
     proposer_pool = None
     if spec is not None and spec.has_kv:
@@ -116,5 +138,4 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
                              f"{spec.kv_name!r}; the shared pool holds {have}")
         proposer_pool = shared_page_pool(pool, rank, spec.kv_name)
     return AsyncEngine(model_dir, kv_pool=shared_page_pool(pool, rank, TARGET),
-                       allocator=SharedPageAllocator(pool), proposer_kv_pool=proposer_pool,
-                       **engine_args)
+                       allocator=allocator, proposer_kv_pool=proposer_pool, **engine_args)

@@ -25,24 +25,29 @@ def context_nbytes(model_dir: str, dtype: str) -> int:
 def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_layout: str,
                      num_pages: int, num_slots: int = 256,
                      speculative: SpeculativeConfig | None = None,
-                     headroom_pages: int | None = 0, max_num_seqs: int = 64) -> PoolSpec:
+                     headroom_pages: int | None = 0, max_num_seqs: int = 64,
+                     prefix_caching: bool = False) -> PoolSpec:
     """``name`` keys the shared-memory files: include model name, version and instance.
     With speculation the proposer's KV (draft model or MTP head) sits next to the
     target's under the same page ids, and one reservation carries both.
 
     ``headroom_pages`` stay free of reservations for the decoder's running sequences
-    (None: :func:`default_headroom`)."""
+    (None: :func:`default_headroom`). With ``prefix_caching`` the pool keeps decode's
+    prefix cache, a reservation sharing up to a whole context's pages of it."""
     def kv(kv_name, cfg):
         return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                          page_size, dtype, kv_layout)
-    models = (kv(TARGET, ModelConfig.from_dir(model_dir)),)
+    target = ModelConfig.from_dir(model_dir)
+    models = (kv(TARGET, target),)
     if speculative is not None and speculative.has_kv:
         models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
     if headroom_pages is None:
         headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)
+    max_pins = min(num_pages, pages_needed(target.max_position_embeddings, page_size)) \
+        if prefix_caching else 0
     return PoolSpec(name, models, num_pages, num_slots=num_slots,
                     context_bytes=context_nbytes(model_dir, dtype),
-                    headroom_pages=min(headroom_pages, num_pages - 1))
+                    headroom_pages=min(headroom_pages, num_pages - 1), max_pins=max_pins)
 
 
 def default_headroom(num_pages: int, page_size: int, max_num_seqs: int,

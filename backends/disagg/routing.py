@@ -21,7 +21,9 @@ Rules of the ``conditional`` policy, in order:
    it decodes (one mixed step costs the running streams less than the transfer and the
    two extra hops cost this request) — unless the decode engine's own prefill backlog,
    this prompt included, would exceed ``max_local_prefill_tokens``: then
-   ``decode_busy``, to the prefill side;
+   ``decode_busy``, to the prefill side. Only the tokens decode has not cached count
+   (``cached_tokens``: its prefix cache holds the rest): a long prompt whose prefix
+   decode holds is a short prompt, ``cached_prefix``;
 3. ``prefill_down`` / ``prefill_busy`` — a longer prompt is prefilled here while the
    prefill side is down (its prefill servers failed the last job: none took it), or
    when its estimated wait exceeds ``max_prefill_wait_ms``, and decode's backlog has
@@ -36,6 +38,8 @@ Route(path='local', reason='short_prompt')
 Route(path='remote', reason='long_prompt')
 >>> choose_path(1500, PrefillLoad(requests=3, tokens=6000), DecodeLoad(prefill_tokens=100), p)
 Route(path='local', reason='prefill_busy')
+>>> choose_path(1500, PrefillLoad(), DecodeLoad(), p, cached_tokens=1472)
+Route(path='local', reason='cached_prefix')
 >>> RoutingPolicy.parse("conditional:local_prompt_tokens=64").local_prompt_tokens
 64
 """
@@ -49,8 +53,8 @@ CONDITIONAL = "conditional"
 # conditional: per request; remote: every prompt to the prefill side (the plain
 # disaggregated server); local: every prompt prefilled by decode (for comparisons)
 POLICIES = (CONDITIONAL, REMOTE, LOCAL)
-REASONS = ("no_prefill", "policy", "short_prompt", "decode_busy", "prefill_down", "prefill_busy",
-           "long_prompt")
+REASONS = ("no_prefill", "policy", "short_prompt", "cached_prefix", "decode_busy", "prefill_down",
+           "prefill_busy", "long_prompt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,15 +137,19 @@ class RoutingPolicy:
 
 
 def choose_path(prompt_len: int, prefill: PrefillLoad, decode: DecodeLoad,
-                policy: RoutingPolicy) -> Route:
-    """Where a prompt of ``prompt_len`` tokens is prefilled (see the module docstring)."""
+                policy: RoutingPolicy, cached_tokens: int = 0) -> Route:
+    """Where a prompt of ``prompt_len`` tokens, the first ``cached_tokens`` of them in
+    decode's prefix cache, is prefilled (see the module docstring)."""
     if prompt_len <= 1:
         return Route(LOCAL, "no_prefill")
     if policy.mode != CONDITIONAL:
         return Route(policy.mode, "policy")
+    prompt_len -= cached_tokens     # what a prefill would compute
     fits_here = decode.prefill_tokens + prompt_len <= policy.max_local_prefill_tokens
     if prompt_len <= policy.local_prompt_tokens:
-        return Route(LOCAL, "short_prompt") if fits_here else Route(REMOTE, "decode_busy")
+        if not fits_here:
+            return Route(REMOTE, "decode_busy")
+        return Route(LOCAL, "cached_prefix" if cached_tokens else "short_prompt")
     if fits_here and prefill.down:
         return Route(LOCAL, "prefill_down")
     if fits_here and policy.estimated_wait_s(prefill) * 1000 > policy.max_prefill_wait_ms:

@@ -73,6 +73,11 @@ class AsyncEngine:
         return None if prefix is None else PrefixCacheStats.of(prefix)
 
     @property
+    def allocator(self):
+        """The engine's KV allocator (a transfer ticket hands claimed pages to it)."""
+        return self.engine.allocator
+
+    @property
     def kv_pages(self) -> tuple[int, int]:
         """(free, used) pages of the engine's KV allocator."""
         allocator = self.engine.allocator
@@ -137,9 +142,9 @@ class AsyncEngine:
                 cb = self._callbacks.pop(rid, None if isinstance(msg, Abort) else msg.on_output)
                 if cb is not None:
                     ended.append((cb, _failed(rid, f"the request could not be queued ({describe(exc)})")))
-        for seq, pages in self._pending.ready():
+        for seq, pages, num_cached in self._pending.ready():
             try:
-                self.engine.add_prefilled(seq, pages)
+                self.engine.add_prefilled(seq, pages, num_cached)
             except ValueError:
                 log.exception("request %s: the transferred KV cannot be admitted", seq.request_id)
                 self.engine.allocator.free(pages)

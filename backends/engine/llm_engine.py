@@ -23,7 +23,7 @@ from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
-from .prefix_caching import PrefixCaching, model_fingerprint
+from .prefix_caching import PrefixCaching
 from .request_perf import RequestPerf
 from .proposers import (DraftModelProposer, NgramProposer, StepHidden, draft_vocab_ids,
                         load_proposer_model, make_proposer)
@@ -127,10 +127,7 @@ class LLMEngine:
         """On when configured and the allocator caches (an external pool's may not)."""
         if not (self.config.enable_prefix_caching and getattr(self.allocator, "caching", False)):
             return None
-        return PrefixCaching(self.allocator, self.config.page_size,
-                             (model_fingerprint(self.config), self.config.model_version),
-                             lookahead=1 if spec.enabled and spec.method == "mtp" else 0,
-                             proposer_kv=spec.enabled and spec.has_kv)
+        return PrefixCaching.for_config(self.config, self.allocator)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page (held pages stay with their sequences); returns how
@@ -281,12 +278,13 @@ class LLMEngine:
             self.tokenizer, seq.prompt_ids, seq.params.stop, seq.params.min_tokens)
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence, pages: list[int]) -> None:
+    def add_prefilled(self, seq: Sequence, pages: list[int], num_cached_pages: int = 0) -> None:
         """Admit ``seq`` whose first ``n - 1`` prompt tokens' KV already sits in ``pages``
         (this engine's allocator owns them now): its first step runs the last prompt
         token as a decode token and samples the first output token. With speculation the
-        pages hold the proposer's KV of those tokens too. If the sequence is ever
-        preempted, the engine recomputes its prompt itself."""
+        pages hold the proposer's KV of those tokens too. The first ``num_cached_pages``
+        came from this engine's prefix cache (the transfer skipped them). If the
+        sequence is ever preempted, the engine recomputes its prompt itself."""
         n = len(seq.prompt_ids)
         if seq.output_ids or seq.num_computed or seq.pages:
             raise ValueError(f"request {seq.request_id!r} is not a fresh sequence")
@@ -297,6 +295,9 @@ class LLMEngine:
         if self.proposer is not None:
             # the prefill filled the proposer's KV for the same tokens (its rows 0..n-2)
             seq.draft.computed = n - 1
+        if self.prefix is not None:
+            seq.num_matched_pages = seq.num_published = num_cached_pages
+            self.prefix.admitted(seq, num_cached_pages * self.config.page_size)
         self.add(seq)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:

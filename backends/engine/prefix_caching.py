@@ -48,6 +48,28 @@ def model_fingerprint(config: EngineConfig) -> tuple:
     return (checkpoint_fingerprint(config.model_dir), config.dtype, proposer)
 
 
+def key_lookahead(spec) -> int:
+    """Tokens after a page its KV depends on: an MTP head's row ``i`` reads token ``i + 1``."""
+    return 1 if spec is not None and spec.enabled and spec.kv_name == "mtp" else 0
+
+
+def prompt_page_keys(prompt: list[int], page_size: int, root: bytes, cache_salt: str | None,
+                     lookahead: int = 0) -> list[bytes]:
+    """The keys of a prompt's pages a cache can hold for it — its full pages short of the
+    last token (whose logits start decoding) — for an engine whose :func:`model_root` is
+    ``root``: what that engine's cache keys them by."""
+    n = (len(prompt) - 1) // page_size
+    return page_keys(prompt[:n * page_size + lookahead], page_size, root_key(root, cache_salt),
+                     lookahead=lookahead)
+
+
+def model_root(config: EngineConfig) -> bytes:
+    """The one extra key an engine's chains start from: its model fingerprint and
+    version, hashed. Another process (kv_transfer) that is told it roots a prompt's
+    chain — with the request's salt — exactly as the engine does."""
+    return root_key(model_fingerprint(config), config.model_version)
+
+
 @dataclass(slots=True)
 class PrefixCaching:
     """Prefix caching on ``allocator`` for sequences of one engine; ``extra_keys`` (the
@@ -70,9 +92,8 @@ class PrefixCaching:
         token of lookahead with an MTP head, the proposer's KV cached with a KV proposer."""
         spec = config.speculative
         on = spec is not None and spec.enabled
-        return cls(allocator, config.page_size, (model_fingerprint(config), config.model_version),
-                   lookahead=1 if on and spec.method == "mtp" else 0,
-                   proposer_kv=on and spec.has_kv)
+        return cls(allocator, config.page_size, (model_root(config),),
+                   lookahead=key_lookahead(spec), proposer_kv=on and spec.has_kv)
 
     # -- on keys and page lists -----------------------------------------------------------
     def keys(self, token_ids: list[int], cache_salt: str | None,

@@ -26,6 +26,10 @@ class KVTransferFailed(RuntimeError):
 
 
 class KVTicket(Protocol):
+    # the first pages poll() hands over are the engine's own cached ones (shared, not
+    # transferred): the engine counts them as prefix-cache hits
+    num_cached_pages: int
+
     def poll(self) -> list[int] | None:
         """The pages (now owned by the caller) once the KV arrived, else None;
         raises :class:`KVTransferFailed` when it never will."""
@@ -55,9 +59,9 @@ class PendingPrefills:
     def request_ids(self) -> list[str]:
         return list(self._waiting)
 
-    def ready(self) -> list[tuple[Sequence, list[int]]]:
-        """Sequences whose KV arrived, with their pages; failures are kept for
-        :meth:`take_failed`."""
+    def ready(self) -> list[tuple[Sequence, list[int], int]]:
+        """Sequences whose KV arrived, with their pages and how many of them came from
+        the engine's prefix cache; failures are kept for :meth:`take_failed`."""
         out = []
         for rid, (seq, ticket) in list(self._waiting.items()):
             try:
@@ -74,7 +78,7 @@ class PendingPrefills:
                 continue
             if pages is not None:
                 del self._waiting[rid]
-                out.append((seq, pages))
+                out.append((seq, pages, ticket.num_cached_pages))
         return out
 
     def take_failed(self) -> list[RequestOutput]:

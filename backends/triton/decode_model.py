@@ -7,8 +7,12 @@ pool (which kv_transfer receives into), and a request with a ``kv_descriptor`` i
 submitted as prefilled — the engine admits it when the reservation's counter
 completes (polled without blocking the batch), then runs the last prompt token as a
 decode token and samples the first output token. With ``num_return_sequences`` n > 1
-the transferred KV feeds the first sample; the engine shares no pages between
-sequences, so decode prefills the other n - 1 itself.
+the transferred KV feeds the first sample; decode prefills the other n - 1 itself
+(from its prefix cache, where the first sample's pages are by then).
+
+The engine's prefix cache lives in the shared pool (decode owns it): kv_transfer looks
+each prompt up there, shares the cached prefix into the reservation and has prefill
+send only the rest; decode publishes a page only after its KV arrived whole.
 
 With conditional disaggregation most requests come without a descriptor (kv_transfer
 routed them ``local``): decode prefills them itself, chunked and mixed into its batch
@@ -44,10 +48,9 @@ class TritonPythonModel(_StreamingModel):
         torch.set_num_threads(max(s.threads, s.idle_threads))
         self.pool = open_or_create(pool_spec(s))
         self.housekeeper = PoolHousekeeper(self.pool)
-        engine = decode_engine(self.pool, s.model_dir, dtype=s.dtype,
-                               max_num_seqs=s.max_num_seqs,
-                               max_num_batched_tokens=s.max_num_batched_tokens,
-                               speculative=s.speculative())
+        # the pool's prefix cache keys pages by this model's version too
+        engine = decode_engine(self.pool, s.model_dir, model_version=self.model_version,
+                               **s.engine_kwargs())
         self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
         self.load_board.publish(0)
         engine.step_hook = DecodeStepHook(engine, self.pool, self.load_board,
@@ -68,7 +71,8 @@ class TritonPythonModel(_StreamingModel):
             # other samples of num_return_sequences prefill here
             return self.engine.submit(parsed.prompt, params, on_output)
         try:
-            ticket = SharedPoolTicket.for_descriptor(self.pool, desc, len(parsed.prompt))
+            ticket = SharedPoolTicket.for_descriptor(self.pool, desc, len(parsed.prompt),
+                                                     self.engine.allocator)
         except ValueError as e:
             raise ValueError(f"kv_descriptor: {e}") from None
         try:

@@ -14,8 +14,13 @@ guide compiles (xgrammar's reason: INVALID_ARG), so a request that decode would
 refuse never holds pages. A pool that is merely full answers UNAVAILABLE ("retry
 later").
 
+With prefix caching it looks each prompt up in decode's cache (kept in the shared pool,
+:mod:`tandem.rdma.pool_cache`): a remote reservation shares the cached prefix and gets
+fresh pages only for the rest, which is all prefill sends (the descriptor's
+``first_page``); routing counts only the tokens decode lacks.
+
 It also decides where each prompt is prefilled (conditional disaggregation,
-:mod:`tandem.backends.disagg.routing`): from the prompt's length, the prefill side's
+:mod:`tandem.backends.disagg.routing`): from the prompt's uncached length, the prefill side's
 backlog (the pool's reservations still waiting for KV, whether a local prefill process
 or remote prefill servers feed them) and decode's own prefill backlog (its load board).
 A request routed ``local`` reserves nothing: its descriptor is the no-transfer sentinel,
@@ -33,6 +38,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
+from ..engine.prefix_caching import key_lookahead, prompt_page_keys
 from ..engine.request_limits import LimitError, check_pool_fit, lookahead_slots
 from ..kv_cache.pages import pages_needed
 from .disagg_common import KV_DESCRIPTOR, LOCAL, NO_TRANSFER, as_bytes_tensor, pool_spec
@@ -53,7 +59,9 @@ class TritonPythonModel(PerRequestModel):
         self.settings = s
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
+        self.page_size = self.pool.spec.models[0].page_size
         self.lookahead = lookahead_slots(s.speculative())
+        self.key_lookahead = key_lookahead(s.speculative())
         self.metrics = TransferMetrics(name, version)
         config = ReceiverConfig(timeout_s=float(s.kv_transfer_timeout_s),
                                 net_devices=s.net_devices, transports=s.transports,
@@ -82,10 +90,12 @@ class TritonPythonModel(PerRequestModel):
             check_guide(parsed, self._compile_guide)   # before a page is reserved
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
-        route = self._route(n, parsed.num_return_sequences)
+        keys = self._cache_keys(parsed.prompt, parsed.cache_salt)
+        cached = self.pool.cache_lookup(keys) * self.page_size if keys else 0
+        route = self._route(n, parsed.num_return_sequences, cached)
         try:
             desc = NO_TRANSFER if route.path == LOCAL else self.receiver.reserve(
-                n - 1, context_nbytes=(self.context_nbytes,)).to_bytes()
+                n - 1, context_nbytes=(self.context_nbytes,), cached_keys=keys).to_bytes()
         except PoolExhausted as e:
             return error_response(
                 f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
@@ -108,10 +118,18 @@ class TritonPythonModel(PerRequestModel):
             self.guides = GuideCompiler(load_tokenizer(s.model_dir), self.vocab_size, eos)
         return self.guides.compile(guide)
 
-    def _route(self, prompt_len: int, num_sequences: int):
+    def _cache_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prompt's page keys as decode's prefix cache keys them ([] while no decode
+        owns the pool's cache, or caching is off)."""
+        root = self.pool.cache_root() if self.pool.caching else None
+        if root is None:
+            return []
+        return prompt_page_keys(prompt, self.page_size, root, cache_salt, self.key_lookahead)
+
+    def _route(self, prompt_len: int, num_sequences: int, cached_tokens: int = 0):
         """Where this prompt is prefilled: here in decode, or by the prefill side.
         Decode's backlog counts what it has taken in, plus what was routed to it and
-        has not arrived yet."""
+        has not arrived yet; of the prompt, only what decode has not cached."""
         from tandem.backends.disagg.decode_load import DecodeLoadBoard
         from tandem.backends.disagg.routing import DecodeLoad, PrefillLoad, choose_path
 
@@ -124,11 +142,11 @@ class TritonPythonModel(PerRequestModel):
         if self.decode_board is not None:
             in_transit = self.in_transit.observe(*self.decode_board.taken_in(), now)
             decode = DecodeLoad(self.decode_board.read().prefill_tokens + in_transit)
-        route = choose_path(prompt_len, prefill, decode, self.policy)
+        route = choose_path(prompt_len, prefill, decode, self.policy, cached_tokens)
         # decode prefills every sample itself but the remote path's first one
         here = num_sequences - (route.path != LOCAL)
         if here:
-            self.in_transit.add(prompt_len * here, now)
+            self.in_transit.add((prompt_len - cached_tokens) * here, now)
         return route
 
     def _check_fits(self, prompt_len: int, max_tokens: int, num_sequences: int = 1) -> None:

@@ -121,8 +121,11 @@ def test_only_the_owner_publishes_and_a_key_is_cached_once(pools):
     assert not dec.cache_publish(pages[1], key(1))     # another sequence's copy stays private
     mine = xfer.alloc(1)
     assert not xfer.cache_publish(mine[0], key(2))      # kv_transfer never publishes
-    with pytest.raises(ValueError, match="not held"):
-        dec.cache_publish(dec.alloc(1)[0], key(3))
+    with pytest.raises(ValueError, match="not held"):   # another process's page
+        dec.cache_publish(mine[0], key(3))
+    slot, gen, fresh, _ = xfer.reserve_prefix(1, [], 1, 30.0)
+    with pytest.raises(ValueError, match="not held"):   # a reservation's, not yet claimed
+        dec.cache_publish(fresh[0], key(4))
 
 
 def test_drop_withdraws_only_pages_nobody_else_uses(pools):
