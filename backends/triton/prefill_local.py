@@ -25,7 +25,10 @@ class LocalPrefillModel(PrefillModel):
         sender = SenderConfig(timeout_s=float(s.kv_transfer_timeout_s) + 5.0,
                               net_devices=s.net_devices, transports=s.transports,
                               faults=s.fault_plan())
-        self.service = PrefillService(s.engine_config(num_pages=None), sender)
+        # the model version is a key of the prefill's own prefix cache
+        version = str(args.get("model_version", "1"))
+        self.service = PrefillService(s.engine_config(num_pages=None, model_version=version),
+                                      sender)
         self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
         self.service.start()
         if sender.faults is not None:
