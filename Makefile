@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml setup.py
 	bash scripts/install_perf_analyzer_deps.sh $(PY)
 	@touch $(STAMP)
 
-# the demo checkpoints, disaggregated, with MTP speculation; override with SERVE_ARGS=...
-SERVE_ARGS ?= --spec mtp
+# the demo checkpoints, disaggregated, speculating adaptively (--spec auto: prompt lookup where
+# it matches, the demo MTP head elsewhere; k per step from measured costs); override with SERVE_ARGS=...
+SERVE_ARGS ?= --spec auto
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 

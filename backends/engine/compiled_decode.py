@@ -13,6 +13,12 @@ context length), compiled at start-up by :meth:`CompiledDecode.warm_up`.
 Whether compiling pays depends on the CPU, the dtype and the batch: warm-up times the
 compiled and the eager step at every bucket of :func:`~.graph_runner.capture_sizes` and
 keeps the compiled one only where it measured faster (:func:`buckets_worth_compiling`).
+
+Speculation's verify steps (k + 1 tokens per sequence, attention by the prefill wrapper
+inside the same opaque op) run through the same dynamic graph: only the number of
+tokens differs. Warm-up times them per (bucket, k) for the ``verify_ks`` it is given, up
+to :data:`VERIFY_MAX_BUCKET` (beyond, a verify batch is GEMM-bound and runs eagerly),
+and keeps the compiled ones that measured faster.
 Inductor's FX-graph and AOT caches persist under ``cache_dir``, so a restart loads the
 kernels instead of compiling them again. Fused kernels round differently from the eager
 ones: fp32 agrees to ~1e-6; bf16 greedy text can differ from the eager engine's at
@@ -23,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 # compiled must beat eager by this factor to be kept (the timings are noisy)
 KEEP_MARGIN = 0.95
+VERIFY_MAX_BUCKET = 16   # the largest batch whose verify steps are timed and may be compiled
 
 
 def default_cache_dir() -> str:
@@ -111,11 +118,19 @@ class WarmUp:
     seconds: float
     timings: dict[int, tuple[float, float]]   # bucket -> (eager ms, compiled ms)
     compiled: list[int]
+    # (bucket, k) -> (eager ms, compiled ms) of verify steps, and those kept compiled
+    verify_timings: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    verify_compiled: list[tuple[int, int]] = field(default_factory=list)
 
     def describe(self) -> str:
         per = ", ".join(f"{b}: {e:.2f}/{c:.2f}" for b, (e, c) in sorted(self.timings.items()))
-        return (f"compiled decode for batch buckets {self.compiled or 'none'} "
+        text = (f"compiled decode for batch buckets {self.compiled or 'none'} "
                 f"(warm-up {self.seconds:.1f} s; eager/compiled ms per step: {per or 'not measured'})")
+        if self.verify_timings:
+            per = ", ".join(f"{b}/k{k}: {e:.2f}/{c:.2f}"
+                            for (b, k), (e, c) in sorted(self.verify_timings.items()))
+            text += f"; verify (bucket/k) compiled for {self.verify_compiled or 'none'} ({per})"
+        return text
 
 
 def _ms_per_step(fn, steps: int) -> float:
@@ -133,10 +148,13 @@ class CompiledDecode:
     take: not plain decode, or a bucket where eager measured faster).
 
     ``buckets``: the batch sizes that are timed and decided (a batch of n belongs to the
-    smallest bucket >= n; larger than all: eager). Until :meth:`warm_up` decides, every
-    bucket is compiled."""
+    smallest bucket >= n; larger than all: eager). ``verify_ks``: the draft counts whose
+    verify steps :meth:`forward_verify` takes, at buckets up to
+    :data:`VERIFY_MAX_BUCKET`. Until :meth:`warm_up` decides, every bucket (and every
+    (bucket, k)) is compiled."""
 
-    def __init__(self, runner: ModelRunner, buckets: list[int], cache_dir: str | None = None):
+    def __init__(self, runner: ModelRunner, buckets: list[int], cache_dir: str | None = None,
+                 verify_ks: list[int] = ()):
         _utf8_locale()
         # inductor reads the variable whenever it opens its caches
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir or default_cache_dir())
@@ -145,6 +163,8 @@ class CompiledDecode:
         # opaque op, models/packed_linear.py; MKL in fp32)
         self.runner, self.buckets = runner, sorted(buckets)
         self.compiled = list(self.buckets)
+        self.verify_compiled = {(b, k) for b in self.buckets if b <= VERIFY_MAX_BUCKET
+                                for k in verify_ks}
         self.rotary = runner.model.rotary_table()
         self.step = torch.compile(model_step(runner.model))
         self.warmed: WarmUp | None = None
@@ -170,22 +190,34 @@ class CompiledDecode:
             return None
         return self.run(batch)
 
+    def forward_verify(self, batch: ForwardBatch, k: int) -> torch.Tensor | None:
+        """A verify batch (at most k + 1 tokens per sequence) through the compiled step
+        where warm-up kept it for (bucket, k); None otherwise."""
+        if (padded_size(len(batch.token_ids), self.buckets), k) not in self.verify_compiled:
+            return None
+        return self.run(batch)
+
     def warm_up(self, scratch_page: int, measure: bool = True, rounds: int = 5,
-                steps: int = 3) -> WarmUp:
+                steps: int = 3, scratch_pages: list[int] | None = None) -> WarmUp:
         """Compile (or load from the cache) every graph now, so no request waits for it;
-        with ``measure``, keep the compiled step only for the buckets where it is faster.
-        The timed batches write only ``scratch_page`` (token 0 at position 0)."""
+        with ``measure``, keep the compiled step only for the buckets (and verify
+        (bucket, k)) where it is faster. The timed batches write only ``scratch_page``
+        (token 0 at position 0); verify batches the ``scratch_pages`` (``[scratch_page]``
+        by default: enough for k + 1 <= page_size)."""
         start = time.perf_counter()
-        timings: dict[int, tuple[float, float]] = {}
-        for bucket in self.buckets:
-            batch = ForwardBatch([[0]] * bucket, [0] * bucket, [[scratch_page]] * bucket)
+        pages = scratch_pages or [scratch_page]
+        shapes = [(b, 0) for b in self.buckets] + sorted(self.verify_compiled)
+        timings: dict[tuple[int, int], tuple[float, float]] = {}
+        for bucket, k in shapes:
+            batch = ForwardBatch([[0] * (k + 1)] * bucket, [0] * bucket,
+                                 [pages if k else [scratch_page]] * bucket)
             compiled = lambda: self.run(batch)
             try:
                 compiled()
             except Exception:   # e.g. no working compiler, or a cache entry left torn by a kill
                 log.exception("compiling the decode step failed; decoding eagerly (if the cache "
                               "is damaged, remove %s)", os.environ["TORCHINDUCTOR_CACHE_DIR"])
-                self.compiled = []
+                self.compiled, self.verify_compiled = [], set()
                 break
             if not measure:
                 continue
@@ -193,8 +225,13 @@ class CompiledDecode:
             eager()
             runs = [(_ms_per_step(eager, steps), _ms_per_step(compiled, steps))
                     for _ in range(rounds)]        # interleaved; the fastest round of each
-            timings[bucket] = (min(e for e, _ in runs), min(c for _, c in runs))
+            timings[(bucket, k)] = (min(e for e, _ in runs), min(c for _, c in runs))
+        decode = {b: t for (b, k), t in timings.items() if k == 0}
+        verify = {key: t for key, t in timings.items() if key[1]}
         if measure and self.compiled:
-            self.compiled = buckets_worth_compiling(timings)
-        self.warmed = WarmUp(time.perf_counter() - start, timings, list(self.compiled))
+            self.compiled = buckets_worth_compiling(decode)
+        if measure and self.verify_compiled:
+            self.verify_compiled = {key for key, (e, c) in verify.items() if c < KEEP_MARGIN * e}
+        self.warmed = WarmUp(time.perf_counter() - start, decode, list(self.compiled), verify,
+                             sorted(self.verify_compiled))
         return self.warmed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -12,21 +13,22 @@ from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
 from ..kv_cache.prefix_cache import CachingAllocator
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
+from ..speculative.adaptive import Choice, SpecController
 from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided import GuideCompiler, GuideState, fill_guides, mask_logits
 from .compiled_decode import CompiledDecode
-from .graph_runner import GraphedDecode, capture_sizes
+from .graph_runner import GraphedDecode, capture_sizes, padded_size
 from .isolation import describe, isolate
 from .logits_processors import LogitsControls, apply_controls, bad_words_token_ids
 from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .prefix_caching import PrefixCaching
 from .request_perf import RequestPerf
-from .proposers import (DraftModelProposer, NgramProposer, StepHidden, draft_vocab_ids,
-                        load_proposer_model, make_proposer)
+from .proposers import (AutoProposer, DraftModelProposer, NgramProposer, StepHidden,
+                        draft_vocab_ids, load_proposer_model, make_proposer)
 from .request_limits import MAX_LOOKAHEAD_SLOTS, check_context, check_pool_fit, lookahead_slots
 from .sampler import sample, token_logprobs, verify_drafts
 from .scheduler import Scheduler
@@ -104,8 +106,12 @@ class LLMEngine:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         # the target's runner first: it packs the target's lm_head, which an MTP head shares
         self.runner = ModelRunner(self.model, self.pool)
+        # what each step speculates (k per sequence), from measured costs and acceptance
+        self.controller = SpecController(self.num_speculative_tokens, spec.adaptive) \
+            if spec.enabled else None
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
+        self._buckets = capture_sizes(config.max_num_seqs)
         self.num_lookahead_slots = lookahead_slots(spec)
         self.prefix = self._make_prefix_caching(spec)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
@@ -116,6 +122,8 @@ class LLMEngine:
             self.decode_graphs = self.make_decode_graphs()
         elif config.compiles():
             self.decode_graphs = self.make_compiled_decode()
+        if self.controller is not None and spec.adaptive:
+            self._seed_costs()
         self._draft_verified: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
@@ -138,19 +146,23 @@ class LLMEngine:
         """The CPU's compiled decode steps (the draft's too), compiled and decided now:
         the warm-up writes one page reserved here (shared with the draft's pool) and
         given back after it, so the pool's pages all serve requests again."""
-        scratch = self.allocator.alloc(1)[0]
+        k = self.num_speculative_tokens
+        scratch = self.allocator.alloc(pages_needed(k + 1, self.config.page_size))
         c, buckets = self.config, capture_sizes(self.config.max_num_seqs)
-        models = [("target", self.runner)]
-        if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
-            models.append(("draft", self.proposer.runner))
+        # the target verifies k + 1 tokens per sequence, at every k adaptive speculation picks
+        ks = list(range(1, k + 1)) if self.controller is not None and self.controller.adaptive else [k]
+        models = [("target", self.runner, ks if k else [])]
+        if isinstance(self._model_proposer(), DraftModelProposer):   # its k - 1 decode steps
+            models.append(("draft", self._model_proposer().runner, []))
         compiled = []
         try:
-            for name, runner in models:
-                steps = CompiledDecode(runner, buckets, c.compile_cache_dir)
-                log.info("%s: %s", name, steps.warm_up(scratch, measure=c.compile == "auto").describe())
+            for name, runner, verify_ks in models:
+                steps = CompiledDecode(runner, buckets, c.compile_cache_dir, verify_ks)
+                log.info("%s: %s", name, steps.warm_up(scratch[0], measure=c.compile == "auto",
+                                                       scratch_pages=scratch).describe())
                 compiled.append(steps)
         finally:
-            self.allocator.free([scratch])
+            self.allocator.free(scratch)
         if len(compiled) > 1:
             self.proposer.fast_decode = compiled[1]
         return compiled[0]
@@ -161,12 +173,44 @@ class LLMEngine:
         scratch = self.allocator.alloc(1)[0]
         max_pages = pages_needed(self.max_model_len + self.num_lookahead_slots,
                                  self.config.page_size)
-        if isinstance(self.proposer, DraftModelProposer):   # its k - 1 decode steps
-            runner = self.proposer.runner
+        if isinstance(self._model_proposer(), DraftModelProposer):   # its k - 1 decode steps
+            runner = self._model_proposer().runner
             self.proposer.fast_decode = GraphedDecode(runner.model, runner.pool, scratch,
                                                       self.config.max_num_seqs, max_pages, graphs)
         return GraphedDecode(self.model, self.pool, scratch, self.config.max_num_seqs,
                              max_pages, graphs)
+
+    def _model_proposer(self):
+        """The proposer with a model (draft or MTP head), or None (ngram alone)."""
+        p = self.proposer
+        return p.model if isinstance(p, AutoProposer) else None if isinstance(p, NgramProposer) else p
+
+    def _seed_costs(self) -> None:
+        """Start-up costs for the controller: what the compiled decode's warm-up measured,
+        else the eager target at batch 1 and every k (a few ms of forwards on one
+        scratch page range); the engine's own step times replace them as it runs."""
+        warm = getattr(self.decode_graphs, "warmed", None)
+        seeds: dict[tuple, float] = {}
+        if warm is not None:
+            for bucket, times in warm.timings.items():
+                seeds[("step", bucket, 0)] = min(times)
+            for (bucket, k), times in warm.verify_timings.items():
+                seeds[("step", bucket, k)] = min(times)
+        if not seeds:
+            k = self.num_speculative_tokens
+            scratch = self.allocator.alloc(pages_needed(k + 1, self.config.page_size))
+            try:
+                for kk in range(k + 1):
+                    batch = ForwardBatch([[0] * (kk + 1)], [0], [scratch])
+                    self.runner.forward(batch)
+                    start = time.perf_counter()
+                    for _ in range(2):
+                        self.runner.forward(batch)
+                    seeds[("step", 1, kk)] = 1000 * (time.perf_counter() - start) / 2
+            finally:
+                self.allocator.free(scratch)
+        for key, ms in seeds.items():
+            self.controller.costs.seed(key, ms)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Pre-norm hidden states of every new token: replayed for a plain decode batch
@@ -177,14 +221,25 @@ class LLMEngine:
                 return hidden
         return self.runner.forward(batch)[1]
 
+    def _verify_forward(self, batch: ForwardBatch, k: int) -> torch.Tensor:
+        """Pre-norm hidden states of a verify batch (up to k + 1 tokens per sequence):
+        compiled where warm-up measured it faster, eager otherwise."""
+        verify = getattr(self.decode_graphs, "forward_verify", None)
+        if verify is not None:
+            hidden = verify(batch, k)
+            if hidden is not None:
+                return hidden
+        return self.runner.forward(batch)[1]
+
     def _make_proposer(self, spec: SpeculativeConfig, num_pages: int, dtype,
                        pool: KVPagePool | None):
         """Draft KV pages share the target's page ids: one allocation serves both models."""
         if not spec.enabled:
             return None
+        ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                              spec.prompt_lookup_min)
         if not spec.has_kv:
-            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                 spec.prompt_lookup_min)
+            return ngram
         c = self.config
         model = load_proposer_model(spec, self.model, c.dtype, c.device)
         if pool is None:
@@ -195,8 +250,13 @@ class LLMEngine:
             if pool.num_pages != num_pages:
                 raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
                                  f"{num_pages}: they share page ids")
-        return make_proposer(model, self.model, pool,
-                             draft_vocab_ids(spec, self.model.config.vocab_size))
+        proposer = make_proposer(model, self.model, pool,
+                                 draft_vocab_ids(spec, self.model.config.vocab_size))
+        if not spec.auto:
+            return proposer
+        # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
+        return AutoProposer(ngram, proposer,
+                            lambda rid: not self.controller.backing_off(rid, ngram.name))
 
     # -- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -330,9 +390,12 @@ class LLMEngine:
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         # everything that may raise runs before the first commit (isolate retries it)
-        if self.proposer is not None and all(
-                s.num_new_tokens == 1 and s.samples and self.proposer.ready(s.seq) for s in scheduled):
-            return self._speculative_step([s.seq for s in scheduled])
+        choice = None
+        if self.proposer is not None and all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+            choice = self._choose([s.seq for s in scheduled])
+            if choice is not None and choice[0].k > 0:
+                return self._speculative_step([s.seq for s in scheduled], *choice)
+        began = time.perf_counter()
         starts = [s.start for s in scheduled]
         batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled], starts,
                              [s.seq.pages for s in scheduled])
@@ -360,46 +423,106 @@ class LLMEngine:
             live = [s.seq for s in scheduled if not s.seq.is_finished]
             outputs += isolate(live, lambda seqs: self.proposer.catch_up(seqs, step_hidden) or [],
                                self._fail)
+            if choice is not None:   # a plain decode step the controller chose: its cost
+                self.controller.observe_cost(("step", self._bucket(len(scheduled)), 0),
+                                             1000 * (time.perf_counter() - began))
         return outputs
 
-    def _speculative_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Draft k tokens, verify k+1 positions in one target forward, keep the accepted
-        prefix plus one target token, roll the rejected KV back."""
-        k = self.num_speculative_tokens
+    def _bucket(self, batch_size: int) -> int:
+        return padded_size(batch_size, self._buckets) or batch_size
+
+    def _choose(self, seqs: list[Sequence]) -> tuple[Choice, list[str | None]] | None:
+        """How many tokens each sequence drafts in this decode step, and by which method;
+        None: the proposer is behind on some sequence (or, with k pinned, cannot draft
+        for one), so the step decodes plainly and the proposer catches up."""
+        if not all(self.proposer.in_sync(s) for s in seqs):
+            return None
+        methods = [self.proposer.method_for(s) for s in seqs]
+        if not self.controller.adaptive and None in methods:
+            return None   # pinned k: a batch speculates only when every sequence drafts
+        choice = self.controller.plan(self._bucket(len(seqs)), [s.request_id for s in seqs], methods)
+        self.spec_metrics.record_choice(choice.k, choice.reason)
+        return choice, methods
+
+    def _propose(self, seqs: list[Sequence], ks: tuple[int, ...],
+                 methods: list[str | None]) -> list[list[int]]:
+        """Each sequence's ``ks[i]`` drafts, from its method's proposer (one batch each)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for method in dict.fromkeys(m for m, k in zip(methods, ks) if k):
+            rows = [i for i, (m, k) in enumerate(zip(methods, ks)) if k and m == method]
+            group = [seqs[i] for i in rows]
+            out = self.proposer.drafter(method).propose(
+                group, max(ks[i] for i in rows), self._draft_process(group)).tolist()
+            for i, d in zip(rows, out):
+                drafts[i] = d[:ks[i]]
+        return drafts
+
+    def _speculative_step(self, seqs: list[Sequence], choice: Choice,
+                          methods: list[str | None]) -> list[RequestOutput]:
+        """Draft ``choice.ks[i]`` tokens for sequence i (0: none, it is verified with its
+        one token), verify them in one target forward, keep each accepted prefix plus one
+        target token, roll the rejected KV back. Sequences drafting the same number are
+        verified together (the rejection sampler's [B, k + 1] rows)."""
+        ks, width = choice.ks, choice.k + 1
         before = [replace(s.draft) for s in seqs]
-        masks = None
+        groups: dict[int, list[int]] = {}
+        for i, k in enumerate(ks):
+            groups.setdefault(k, []).append(i)
+        masks: dict[int, Future | None] = {}
+        began = time.perf_counter()
         try:
-            drafts = self.proposer.propose(seqs, k, self._draft_process(seqs))
-            masks = self._start_guides(seqs, k + 1, drafts)
+            drafts = self._propose(seqs, ks, methods)
+            proposed = time.perf_counter()
+            draft_rows = {k: torch.tensor([drafts[i] for i in rows], dtype=torch.long).view(len(rows), k)
+                          for k, rows in groups.items()}
+            for k, rows in groups.items():
+                masks[k] = self._start_guides([seqs[i] for i in rows], k + 1, draft_rows[k] if k else None)
             starts = [s.num_computed for s in seqs]
             batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
-                                  for s, d in zip(seqs, drafts.tolist())], starts,
-                                 [s.pages for s in seqs])
-            _, hidden = self.runner.forward(batch)
-            logits = self.runner.logits(hidden).view(len(seqs), k + 1, -1)
-            # controls at each position, the drafts before it counted as output (lossless)
-            dead = self._apply_controls(logits, seqs, drafts, masks)
-            verified, accepted = verify_drafts(logits, drafts, [s.params for s in seqs],
-                                               [s.generator for s in seqs])
-            logprobs = self._logprobs(logits, [verified[i, :a + 1].tolist()
-                                               for i, a in enumerate(accepted)], seqs)
+                                  for s, d in zip(seqs, drafts)], starts, [s.pages for s in seqs])
+            hidden = self._verify_forward(batch, choice.k)
+            logits = self.runner.logits(hidden)
+            ptr = list(itertools.accumulate(batch.qo_lens, initial=0))
+            verified = torch.full((len(seqs), width), -1, dtype=torch.int32)
+            accepted, dead, logprobs = [0] * len(seqs), {}, [None] * len(seqs)
+            for k, rows in groups.items():
+                group = [seqs[i] for i in rows]
+                if len(groups) == 1:
+                    rows_logits = logits.view(len(seqs), k + 1, -1)
+                else:
+                    index = torch.tensor([ptr[i] + j for i in rows for j in range(k + 1)])
+                    rows_logits = logits[index].view(len(rows), k + 1, -1)
+                d = draft_rows[k]
+                # controls at each position, the drafts before it counted as output (lossless)
+                group_dead = self._apply_controls(rows_logits, group, d if k else None, masks[k])
+                v, a = verify_drafts(rows_logits, d, [s.params for s in group],
+                                     [s.generator for s in group])
+                lp = self._logprobs(rows_logits, [v[j, :a[j] + 1].tolist() for j in range(len(rows))],
+                                    group)
+                for j, i in enumerate(rows):
+                    verified[i, :k + 1], accepted[i], logprobs[i] = v[j], a[j], lp[j]
+                    if j in group_dead:
+                        dead[i] = group_dead[j]
         except Exception:
             for s, draft in zip(seqs, before):   # proposing advanced the drafts' caches
                 s.draft = draft
-            if masks is not None:
-                wait([masks])
+            for m in masks.values():
+                if m is not None:
+                    wait([m])
             raise
         outputs, survivors = [], []
         # a request finishing in this step publishes only the proposer KV that was
         # right before it drafted (an MTP head's draft rows are rewritten after verifying)
         self._draft_verified = {s.request_id: d.computed for s, d in zip(seqs, before)}
         for i, s in enumerate(seqs):
-            self.spec_metrics.record(accepted[i])
-            s.record_drafts(k, accepted[i])
+            if ks[i]:
+                self.spec_metrics.record(accepted[i], ks[i], methods[i])
+                self.controller.observe_accepted(s.request_id, methods[i], ks[i], accepted[i])
+                s.record_drafts(ks[i], accepted[i])
             s.num_computed = starts[i] + 1 + accepted[i]
             # a guide left position dead[i] without a token: what came before it is
             # kept, as plain decoding would have emitted it, then the sequence ends
-            n = min(accepted[i] + 1, dead.get(i, k + 1))
+            n = min(accepted[i] + 1, dead.get(i, ks[i] + 1))
             outputs.append(self._commit(s, verified[i, :n].tolist(), logprobs[i][:n]
                                         if logprobs[i] is not None else None))
             if n <= accepted[i] and not s.is_finished:
@@ -407,7 +530,13 @@ class LLMEngine:
             if not s.is_finished:
                 survivors.append(i)
         self._draft_verified = {}
-        hidden = hidden.view(len(seqs), k + 1, -1)
+        if len(groups) == 1:
+            hidden = hidden.view(len(seqs), width, -1)
+        else:   # rows past a sequence's own drafts: zeros (-1 tokens), as past a rejection
+            padded = hidden.new_zeros(len(seqs), width, hidden.shape[-1])
+            for i in range(len(seqs)):
+                padded[i, :ptr[i + 1] - ptr[i]] = hidden[ptr[i]:ptr[i + 1]]
+            hidden = padded
 
         def after_verify(rows: list[int]) -> list[RequestOutput]:
             live = [seqs[i] for i in rows]
@@ -416,9 +545,13 @@ class LLMEngine:
                 self.scheduler.trim(s, max(s.num_tokens, s.draft.computed))
             return []
 
-        if not survivors:
-            return outputs
-        return outputs + isolate(survivors, after_verify, lambda i, exc: self._fail(seqs[i], exc))
+        if survivors:
+            outputs += isolate(survivors, after_verify, lambda i, exc: self._fail(seqs[i], exc))
+        bucket = self._bucket(len(seqs))
+        kind = "model" if any(m not in (None, "ngram") for m, k in zip(methods, ks) if k) else "ngram"
+        self.controller.observe_cost(("propose", bucket, choice.k, kind), 1000 * (proposed - began))
+        self.controller.observe_cost(("step", bucket, choice.k), 1000 * (time.perf_counter() - proposed))
+        return outputs
 
     def _start_guides(self, seqs: list[Sequence], n: int,
                       drafts: torch.Tensor | None = None) -> Future | None:
@@ -518,6 +651,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, new_ids: list[int] = (),
                 error: str | None = None) -> RequestOutput:
+        if self.controller is not None:
+            self.controller.forget(seq.request_id)
         if self.prefix is not None:
             if reason in ("stop", "length"):   # its last step's pages, for the next turn
                 self.prefix.publish(seq, self._draft_verified.get(seq.request_id))

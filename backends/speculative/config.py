@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("draft_target", "mtp", "ngram")
+AUTO = "auto"   # prompt lookup where it matches, the model proposer (MTP head, else draft) elsewhere
 KV_NAMES = {"draft_target": "draft", "mtp": "mtp"}     # ngram proposes without a model or KV
 NO_SPECULATION = "none"            # how settings and the CLI spell method=None
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
@@ -12,9 +13,19 @@ MAX_NUM_SPECULATIVE_TOKENS = 16   # the most drafts one step verifies
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """``method=None`` is plain decoding.
+    """``method=None`` is plain decoding. ``"auto"`` drafts by prompt lookup (ngram) for
+    a sequence whose tokens hold a match and by the model proposer otherwise: it becomes
+    ``method`` = the model's (``"mtp"`` with ``mtp_head``, else ``"draft_target"`` with
+    ``draft_model``, else ``"ngram"``) with ``auto=True``, so everything keyed on the
+    proposer's KV (KV transfer, prefix caching) sees the model it keeps KV for.
+    ``adaptive``: each step picks k in 0..num_speculative_tokens from measured costs and
+    acceptance (backends/speculative/adaptive.py); off: every step drafts k tokens
+    (``tandem serve`` turns it on unless ``--spec-adaptive off``).
 
     >>> SpeculativeConfig("mtp", num_speculative_tokens=2, mtp_head="checkpoints/demo/mtp").validate()
+    >>> c = SpeculativeConfig("auto", mtp_head="checkpoints/demo/mtp")
+    >>> c.method, c.auto
+    ('mtp', True)
     """
     method: str | None = None
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -26,6 +37,14 @@ class SpeculativeConfig:
     # the proposer scores only this many of its most frequent tokens (draft_vocab.py);
     # None: the whole vocabulary
     draft_vocab_size: int | None = None
+    adaptive: bool = False
+    auto: bool = False     # ngram where it matches (set by method="auto")
+
+    def __post_init__(self) -> None:
+        if self.method == AUTO:
+            model = "mtp" if self.mtp_head else "draft_target" if self.draft_model else "ngram"
+            object.__setattr__(self, "method", model)
+            object.__setattr__(self, "auto", True)
 
     @property
     def enabled(self) -> bool:

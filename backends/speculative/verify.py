@@ -60,7 +60,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     emitted = accept.int().cumprod(1).sum(1)  # the accepted prefix
     rows = torch.arange(batch, device=device)
     # the token after the prefix: from max(0, p - q) at a rejection, from p_n otherwise
-    q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)
+    q_pad = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, target_probs.shape[-1])], 1)
     residual = (target_probs[rows, emitted].float() - q_pad[rows, emitted].float()).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual, target_probs[rows, emitted].float())

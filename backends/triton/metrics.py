@@ -19,6 +19,10 @@ tandem_spec_draft_tokens_total                 counter    draft tokens proposed
 tandem_spec_accepted_tokens_total              counter    draft tokens accepted
 tandem_spec_acceptance_rate                    gauge      accepted / draft tokens, since start
 tandem_spec_mean_acceptance_length             gauge      1 + accepted / drafts, since start
+tandem_spec_steps_total{k, reason}             counter    decode steps by the drafts per sequence chosen (0:
+                                                          plain) and why (backends/speculative/adaptive.py)
+tandem_spec_method_draft_tokens_total{method}  counter    draft tokens by the proposer that drafted them
+tandem_spec_method_accepted_tokens_total{method} counter  accepted draft tokens, by proposer
 tandem_kv_pages{state}                         gauge      free, reserved, in_use
 tandem_kv_reservations_reclaimed_total         counter    reservations failed or reclaimed (shared pool)
 tandem_kv_transfer_failures_total{reason}      counter    requests whose KV never arrived, by reason
@@ -216,6 +220,17 @@ class EngineMetrics(_ModelMetrics):
             r.metric("tandem_spec_mean_acceptance_length", "gauge",
                      "1 + accepted draft tokens / verification rounds since start"
                      ).set(m.mean_acceptance_length)
+            for (k, reason), total in list(m.steps_by_choice.items()):
+                r.metric("tandem_spec_steps_total", "counter",
+                         "decode steps by the draft tokens per sequence chosen (0: a plain step) and why",
+                         k=str(k), reason=reason).increment(d.take(("steps", k, reason), total))
+            for method, (_, drafted, accepted) in list(m.by_method.items()):
+                r.metric("tandem_spec_method_draft_tokens_total", "counter",
+                         "draft tokens proposed, by proposer", method=method
+                         ).increment(d.take(("drafted", method), drafted))
+                r.metric("tandem_spec_method_accepted_tokens_total", "counter",
+                         "draft tokens accepted, by proposer", method=method
+                         ).increment(d.take(("accepted", method), accepted))
         c = getattr(engine, "prefix_cache", None)
         if c is not None:   # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
             for name, total, what in (

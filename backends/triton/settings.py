@@ -23,7 +23,7 @@ from ..engine.config import COMPILE_MODES, ENGINE_DEFAULTS, EngineConfig
 from ..kv_cache.pages import KV_LAYOUTS
 from ..models.config import DTYPE_CHOICES
 from ..models.dtype import AUTO, resolve_dtype
-from ..speculative.config import (DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, NO_SPECULATION,
+from ..speculative.config import (AUTO, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, NO_SPECULATION,
                                   SpeculativeConfig)
 
 # environment fallbacks of the KV transfer's settings (a parameter in config.pbtxt wins)
@@ -103,10 +103,16 @@ class EngineSettings:
     torch_threads: int = setting(0, "--threads", "torch threads of each engine process (default: %(default)s "
                                  "= all cores; disaggregated: half each for prefill and decode)")
     cancel_poll_ms: int = 20              # how often in-flight requests are checked for cancellation
-    spec_method: str = setting(NO_SPECULATION, "--spec", "speculative decoding method (default: %(default)s)",
-                               choices=(NO_SPECULATION, *METHODS))
+    spec_method: str = setting(NO_SPECULATION, "--spec", "speculative decoding method; auto: prompt lookup "
+                               "(ngram) for a sequence whose tokens hold a match, the MTP head (else the draft) "
+                               "otherwise (default: %(default)s)", choices=(NO_SPECULATION, *METHODS, AUTO))
     num_speculative_tokens: int = setting(DEFAULT_NUM_SPECULATIVE_TOKENS, "--k",
-                                          "draft tokens per step with --spec (default: %(default)s)")
+                                          "draft tokens per step with --spec; with --spec-adaptive on the most "
+                                          "(default: %(default)s)")
+    spec_adaptive: str = setting("on", "--spec-adaptive", choices=("on", "off"), help=(
+        "with --spec: each step drafts 0..k tokens, the number with the most expected tokens per second from "
+        "step costs measured on this machine and each sequence's recent acceptance (0: a plain step); off: "
+        "always k (default: %(default)s)"))
     draft_model: str = setting("", "--draft-model", "draft checkpoint (default: checkpoints/demo/draft)")
     mtp_head: str = setting("", "--mtp-head", "MTP head checkpoint (default: checkpoints/demo/mtp)")
     # decode speed (engine/config.py)
@@ -226,7 +232,8 @@ class EngineSettings:
             return None
         return SpeculativeConfig(self.spec_method, self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, mtp_head=self.mtp_head or None,
-                                 draft_vocab_size=self.draft_vocab_size or None)
+                                 draft_vocab_size=self.draft_vocab_size or None,
+                                 adaptive=self.spec_adaptive == "on")
 
     def routing_policy(self):
         """Where kv_transfer sends each prompt (:class:`~tandem.backends.disagg.routing.RoutingPolicy`)."""

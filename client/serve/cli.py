@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tandem.backends.speculative.config import METHODS, SpeculativeConfig
+from tandem.backends.speculative.config import AUTO, METHODS, SpeculativeConfig
 from tandem.backends.triton.settings import EngineSettings
 
 from tandem.client.serve import env_defaults, flags
@@ -35,10 +35,11 @@ TRITON_PORTS = ("--http-port", "--grpc-port", "--metrics-port")
 # the options only some --spec methods read (option: its setting, those methods): set
 # with another method they would do nothing
 SPEC_OPTIONS = {
-    "--k": ("num_speculative_tokens", METHODS),
-    "--draft-model": ("draft_model", ("draft_target",)),
-    "--mtp-head": ("mtp_head", ("mtp",)),
-    "--draft-vocab-size": ("draft_vocab_size", ("draft_target", "mtp")),
+    "--k": ("num_speculative_tokens", (*METHODS, AUTO)),
+    "--spec-adaptive": ("spec_adaptive", (*METHODS, AUTO)),
+    "--draft-model": ("draft_model", ("draft_target", AUTO)),
+    "--mtp-head": ("mtp_head", ("mtp", AUTO)),
+    "--draft-vocab-size": ("draft_vocab_size", ("draft_target", "mtp", AUTO)),
 }
 # the proposer checkpoint of a --spec method: its option, setting and demo checkpoint
 PROPOSERS = {"draft_target": ("--draft-model", "draft_model", "draft"), "mtp": ("--mtp-head", "mtp_head", "mtp")}
@@ -139,6 +140,8 @@ def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) ->
         if getattr(args, name) != getattr(defaults, name) and method not in methods:
             needs = " or ".join(filter(None, (", ".join(methods[:-1]), methods[-1])))
             raise ValueError(f"{given(option)}: needs --spec {needs}; with --spec {method} it does nothing")
+    if method == AUTO:   # the MTP head, else the draft: the one given, else the demo head
+        method = "draft_target" if args.draft_model and not args.mtp_head else "mtp"
     if method not in PROPOSERS:
         return
     option, name, demo = PROPOSERS[method]

@@ -140,7 +140,10 @@ class ServeOptions:
             raise ServerError(str(e).replace("disagg_policy", "--disagg-policy", 1)) from None
 
     def _uses(self, key: str) -> bool:
-        return (self.engine.spec_method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
+        method = self.engine.spec_method
+        if method == "auto":   # the MTP head, else the draft: the one given, else the demo head
+            method = "draft_target" if self.engine.draft_model and not self.engine.mtp_head else "mtp"
+        return (method, key) in (("draft_target", "draft_model"), ("mtp", "mtp_head"))
 
 
 _UCX_NAMES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")

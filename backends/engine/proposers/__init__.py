@@ -1,7 +1,8 @@
 """Speculative decoding's proposers, one module each, behind one protocol
-(:class:`~.base.Proposer`): the draft model (:mod:`.draft`), the MTP head (:mod:`.mtp`)
-and prompt lookup (:mod:`.ngram`); :mod:`.prefill` fills a proposer's KV on the
-prefill side of disaggregated speculation."""
+(:class:`~.base.Proposer`): the draft model (:mod:`.draft`), the MTP head (:mod:`.mtp`),
+prompt lookup (:mod:`.ngram`) and ``--spec auto``'s choice among them (:mod:`.auto`);
+:mod:`.prefill` fills a proposer's KV on the prefill side of disaggregated speculation."""
+from .auto import AutoProposer
 from .base import DraftProcess, Proposer, StepHidden
 from .draft import DraftModelProposer
 from .load import load_proposer_model, make_proposer
@@ -10,6 +11,6 @@ from .ngram import NgramProposer, propose_ngram
 from .prefill import ProposerPrefill
 from .vocab import DraftVocab, draft_vocab_ids
 
-__all__ = ["DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer", "NgramProposer",
-           "Proposer", "ProposerPrefill", "StepHidden", "draft_vocab_ids", "load_proposer_model",
+__all__ = ["AutoProposer", "DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer",
+           "NgramProposer", "Proposer", "ProposerPrefill", "StepHidden", "draft_vocab_ids", "load_proposer_model",
            "make_proposer", "propose_ngram"]

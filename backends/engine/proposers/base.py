@@ -10,6 +10,12 @@ last run left for the next step's first draft token). The engine calls, in order
 - ``propose(seqs, k, process)`` -> ``[B, k]`` greedy draft tokens (``process``, when
   given, changes each step's draft logits in place first: the requests' logits controls);
 - ``after_verify(seqs, tokens, target_hidden, starts)`` once the target has verified.
+
+With adaptive speculation (or ``--spec auto``) the engine asks instead, per step:
+``in_sync(seq)`` (its state covers the sequence; ngram: always), ``method_for(seq)``
+(the method that would draft for it now, None: none can) and ``drafter(method)`` (the
+proposer that drafts by it); a sequence drafting nothing in a speculative step is
+verified with its one scheduled token, and ``after_verify`` still sees it.
 """
 from __future__ import annotations
 

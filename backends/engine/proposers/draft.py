@@ -15,6 +15,7 @@ from .vocab import DraftVocab
 class DraftModelProposer:
     """Draft-target: the draft has seen every token of the sequence (its KV is one
     token ahead of the target's) and carries the logits for the next one."""
+    name = "draft_target"
 
     def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
                  vocab_ids: torch.Tensor | None = None):
@@ -26,6 +27,14 @@ class DraftModelProposer:
     @staticmethod
     def ready(seq: Sequence) -> bool:
         return seq.draft.computed == seq.num_tokens and seq.draft.logits is not None
+
+    in_sync = ready
+
+    def method_for(self, seq: Sequence) -> str:
+        return self.name
+
+    def drafter(self, method: str) -> "DraftModelProposer":
+        return self
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Feed the draft the tokens it has not seen, up to one past the target's cache."""

@@ -16,6 +16,7 @@ from .vocab import DraftVocab
 class MTPProposer:
     """MTP: head row i reads (t_{i+1}, h_i) and predicts t_{i+2}; its cache covers the
     rows whose target hidden state exists, one short of the sequence."""
+    name = "mtp"
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
                  vocab_ids: torch.Tensor | None = None):
@@ -28,6 +29,14 @@ class MTPProposer:
     def ready(seq: Sequence) -> bool:
         return seq.draft.computed == seq.num_computed == seq.num_tokens - 1 \
             and seq.draft.logits is not None
+
+    in_sync = ready
+
+    def method_for(self, seq: Sequence) -> str:
+        return self.name
+
+    def drafter(self, method: str) -> "MTPProposer":
+        return self
 
     @torch.inference_mode()
     def _run(self, seqs, next_ids: list[list[int]], starts: list[int], hidden: torch.Tensor):

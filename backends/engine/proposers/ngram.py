@@ -42,6 +42,7 @@ class NgramProposer:
     is ready when its tokens hold a match; a batch speculates only when all of its
     sequences are, otherwise it decodes plainly (a verify step of k+1 positions costs
     more than a decode step, so a sequence without a proposal is not padded into one)."""
+    name = "ngram"
 
     def __init__(self, k: int, max_n: int, min_n: int):
         self.k, self.max_n, self.min_n = k, max_n, min_n
@@ -55,6 +56,17 @@ class NgramProposer:
         self._found[seq.request_id] = found
         return True
 
+    @staticmethod
+    def in_sync(seq: Sequence) -> bool:
+        return True     # no state to keep up to date
+
+    def method_for(self, seq: Sequence) -> str | None:
+        """"ngram" when the sequence's tokens hold a match (kept for :meth:`propose`)."""
+        return self.name if self.ready(seq) else None
+
+    def drafter(self, method: str) -> "NgramProposer":
+        return self
+
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Nothing to catch up: no model has to see the tokens."""
 
@@ -65,7 +77,8 @@ class NgramProposer:
         rows = []
         for s in seqs:
             found = self._found.pop(s.request_id)
-            rows.append(found + [found[-1]] * (k - len(found)))
+            rows.append(found[:k] + [found[-1]] * (k - len(found)))
+        self._found.clear()   # the matches of sequences that did not draft this step
         return torch.tensor(rows, dtype=torch.long)
 
     def after_verify(self, seqs, tokens, target_hidden, starts) -> None:

@@ -192,13 +192,13 @@ def test_faults_that_parse_are_accepted():
 
 # ---- options that would do nothing --------------------------------------------------------
 @pytest.mark.parametrize("argv,error", [
-    (["--k", "4"], "--k 4: needs --spec draft_target, mtp or ngram; with --spec none it does nothing"),
-    (["--draft-model", "d"], "--draft-model 'd': needs --spec draft_target; with --spec none it does nothing"),
-    (["--spec", "mtp", "--draft-model", "d"], "--draft-model 'd': needs --spec draft_target; with --spec mtp"),
-    (["--spec", "ngram", "--draft-model", "d"], "--draft-model 'd': needs --spec draft_target; with --spec ngram"),
-    (["--spec", "draft_target", "--mtp-head", "h"], "--mtp-head 'h': needs --spec mtp; with --spec draft_target"),
-    (["--draft-vocab-size", "8"], "--draft-vocab-size 8: needs --spec draft_target or mtp; with --spec none"),
-    (["--spec", "ngram", "--draft-vocab-size", "8"], "--draft-vocab-size 8: needs --spec draft_target or mtp"),
+    (["--k", "4"], "--k 4: needs --spec draft_target, mtp, ngram or auto; with --spec none it does nothing"),
+    (["--draft-model", "d"], "--draft-model 'd': needs --spec draft_target or auto; with --spec none it does nothing"),
+    (["--spec", "mtp", "--draft-model", "d"], "--draft-model 'd': needs --spec draft_target or auto; with --spec mtp"),
+    (["--spec", "ngram", "--draft-model", "d"], "--draft-model 'd': needs --spec draft_target or auto; with --spec ngram"),
+    (["--spec", "draft_target", "--mtp-head", "h"], "--mtp-head 'h': needs --spec mtp or auto; with --spec draft_target"),
+    (["--draft-vocab-size", "8"], "--draft-vocab-size 8: needs --spec draft_target, mtp or auto; with --spec none"),
+    (["--spec", "ngram", "--draft-vocab-size", "8"], "--draft-vocab-size 8: needs --spec draft_target, mtp or auto"),
 ])
 def test_an_option_its_spec_does_not_read_is_refused(argv, error, capsys):
     assert refused(argv, capsys).startswith(error)
@@ -206,7 +206,7 @@ def test_an_option_its_spec_does_not_read_is_refused(argv, error, capsys):
 
 def test_an_unused_option_from_the_environment_names_the_variable(capsys):
     assert refused([], capsys, {"TANDEM_K": "5"}).startswith(
-        "TANDEM_K='5' (the default of --k): needs --spec draft_target, mtp or ngram")
+        "TANDEM_K='5' (the default of --k): needs --spec draft_target, mtp, ngram or auto")
 
 
 def test_defaults_are_not_settings_a_user_made():

@@ -18,12 +18,12 @@ def run(p, q, seed=0):
     return out, acc, emit
 
 
-def tv_per_position(out, p):
+def tv_per_position(out, p, min_samples=2000):
     tvs = []
     for j in range(p.shape[0]):
         col = out[:, j]
         col = col[col >= 0].long()
-        if len(col) < 2000:
+        if len(col) < min_samples:
             continue
         freq = torch.bincount(col, minlength=p.shape[1]).float() / len(col)
         tvs.append(0.5 * (freq - p[j]).abs().sum().item())
@@ -106,3 +106,23 @@ def test_greedy_shortcut_equals_one_hot_rejection_sampling():
     ref_out, _, ref_emit = chain_speculative_sampling(q, drafts, p)
     assert torch.equal(out, ref_out) and emitted == ref_emit.tolist()
     assert 0 < sum(emitted) < 64 * 3
+
+
+@pytest.mark.parametrize("n", range(0, 17))
+def test_every_k_adaptive_speculation_can_choose_keeps_the_distribution(n):
+    """Adaptive speculation verifies any k in 0..MAX_NUM_SPECULATIVE_TOKENS drafts (0: a
+    sampling step): every emitted position follows the target's distribution."""
+    from tandem.backends.speculative.config import MAX_NUM_SPECULATIVE_TOKENS
+    assert n <= MAX_NUM_SPECULATIVE_TOKENS
+    g = torch.Generator().manual_seed(100 + n)
+    p = rand_dist(n + 1, g)
+    q = 0.6 * p[:n] + 0.4 * rand_dist(n, g)     # close enough that late positions are reached
+    if n == 0:
+        out, _, emit = chain_speculative_sampling(torch.zeros(N_SAMPLES, 0, VOCAB),
+                                                  torch.zeros(N_SAMPLES, 0, dtype=torch.long),
+                                                  p.expand(N_SAMPLES, -1, -1), generator=g)
+        assert (emit == 0).all()
+    else:
+        out, _, _ = run(p, q, seed=n)
+    tvs = tv_per_position(out, p, min_samples=8000)   # fewer samples: more noise than 0.02
+    assert tvs and max(tvs) < 0.02, tvs

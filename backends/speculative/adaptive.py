@@ -1,0 +1,259 @@
+"""Adaptive speculation: how many draft tokens each step verifies, from what steps cost
+on this machine and what each sequence has been accepting.
+
+A step that verifies k drafts of a sequence emits, in expectation,
+``1 + a_1 + a_1 a_2 + ... + a_1 ... a_k`` of its tokens, where ``a_j`` is the chance
+that draft j is accepted given that the drafts before it were (the acceptance of a
+draft *position*, tracked per sequence as an exponential moving average). The step
+costs the target's verify forward for the batch at (batch bucket, k) plus the
+proposer's drafting; k = 0 is a plain decode step. :func:`choose_k` picks the k with
+the most expected tokens per millisecond — pure, given the costs and acceptances.
+
+:class:`SpecController` holds what the engine measures online: step costs as moving
+averages per (bucket, k), seeded by a start-up warm-up; a cell never measured is
+estimated from the others by the number of tokens the target computes
+(:meth:`CostTable.estimate`). A sequence whose first draft position collapses below
+:data:`COLLAPSE` stops speculating for a while (backoff, doubled each time it
+probe fails too), then probes with one speculative round.
+
+>>> choose_k({0: 10.0, 1: 12.0, 2: 13.0, 3: 14.0}, [[0.9, 0.8, 0.7]], 3).k
+3
+>>> choose_k({0: 10.0, 1: 16.0, 2: 19.0, 3: 22.0}, [[0.3, 0.2, 0.1]], 3).reason
+'plain_faster'
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Sequence
+
+COST_ALPHA = 0.2          # weight of a new step-cost measurement
+ACCEPT_ALPHA = 0.3        # weight of a new acceptance outcome
+PRIOR_ACCEPTANCE = 0.6    # a draft position's acceptance before anything was measured
+COLLAPSE = 0.15           # first-position acceptance below this: the sequence backs off
+MIN_ROUNDS = 3            # rounds a sequence drafts before it can be judged collapsed
+BACKOFF_MIN, BACKOFF_MAX = 8, 256   # steps without speculating, doubled per collapse
+EXPLORE_EVERY = 64        # every n-th choice at a bucket measures its least fresh k
+
+REASONS = ("fixed", "speculate", "plain_faster", "no_draft", "backoff", "explore")
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Tokens one sequence emits in expectation when k drafts are verified (the accepted
+    prefix plus the target's own next token).
+
+    >>> expected_tokens([0.5, 0.5], 2), expected_tokens([0.5, 0.5], 0)
+    (1.75, 1.0)
+    """
+    total = p = 1.0
+    for a in acceptance[:k]:
+        p *= a
+        total += p
+    return total
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    """One step's speculation: k drafts for every sequence that can draft (its entry
+    of ``ks``; 0 for the others), and why."""
+    k: int
+    ks: tuple[int, ...]
+    reason: str
+
+
+def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | None],
+             max_k: int) -> Choice:
+    """The k in 0..max_k with the most expected tokens per ms for the batch.
+
+    ``step_ms[k]``: what a step of this batch costs with k drafts per drafting sequence
+    (0: a plain decode step); ``acceptances[i]``: sequence i's per-position acceptance,
+    or None when it does not draft this step (no proposal, backing off). Ties go to the
+    smaller k (less work for the same tokens).
+
+    >>> choose_k({0: 10.0, 1: 15.0, 2: 18.0}, [[0.9, 0.9], None], 2)
+    Choice(k=2, ks=(2, 0), reason='speculate')
+    """
+    if all(a is None for a in acceptances):
+        return Choice(0, (0,) * len(acceptances), "no_draft")
+    best_k, best_rate = 0, len(acceptances) / step_ms[0]
+    for k in range(1, max_k + 1):
+        tokens = sum(1.0 if a is None else expected_tokens(a, k) for a in acceptances)
+        rate = tokens / step_ms[k]
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    if best_k == 0:
+        return Choice(0, (0,) * len(acceptances), "plain_faster")
+    return Choice(best_k, tuple(0 if a is None else best_k for a in acceptances), "speculate")
+
+
+class CostTable:
+    """Moving averages of ms per step by key ``(kind, bucket, k)``, with an estimate for
+    keys never measured: the same kind's cells interpolated over ``bucket * (k + 1)``,
+    the tokens the target computes (a step of few tokens is mostly fixed overhead, so
+    cost grows with tokens, not with k or batch alone).
+
+    >>> t = CostTable()
+    >>> t.observe(("step", 1, 0), 10.0); t.observe(("step", 1, 3), 14.0)
+    >>> t.estimate(("step", 2, 0)), t.estimate(("step", 4, 3))   # 2 tokens; 16 tokens
+    (11.333333333333334, 30.0)
+    """
+
+    def __init__(self, alpha: float = COST_ALPHA):
+        self.alpha = alpha
+        self.ms: dict[tuple, float] = {}
+        self.seen: dict[tuple, int] = {}    # key -> the count of observations when last seen
+        self.seeded: set[tuple] = set()     # keys that hold a start-up measurement only
+        self.observations = 0
+
+    def observe(self, key: tuple, ms: float) -> None:
+        old = self.ms.get(key)
+        fresh = old is None or key in self.seeded
+        self.ms[key] = ms if fresh else old + self.alpha * (ms - old)
+        self.seeded.discard(key)
+        self.observations += 1
+        self.seen[key] = self.observations
+
+    def seed(self, key: tuple, ms: float) -> None:
+        """A start-up measurement: kept until the first measurement of ``key`` replaces it."""
+        if key not in self.ms:
+            self.ms[key] = ms
+            self.seeded.add(key)
+
+    def estimate(self, key: tuple) -> float | None:
+        """The average of ``key``, else interpolated (see the class), else None."""
+        if key in self.ms:
+            return self.ms[key]
+        kind, bucket, k, rest = key[0], key[1], key[2], key[3:]
+        points = sorted((other[1] * (other[2] + 1), ms) for other, ms in self.ms.items()
+                        if other[0] == kind and other[3:] == rest)
+        if not points:
+            return None
+        n = bucket * (k + 1)
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, n)
+        if i < len(points) and xs[i] == n:
+            return points[i][1]
+        if len(points) == 1:   # proportional to tokens beyond a half fixed cost
+            x, ms = points[0]
+            return ms * (0.5 + 0.5 * n / x)
+        lo, hi = (points[0], points[1]) if i == 0 else \
+            (points[-2], points[-1]) if i == len(points) else (points[i - 1], points[i])
+        (x0, y0), (x1, y1) = lo, hi
+        if x1 == x0:
+            return y1
+        return max(min(y0, y1) * 0.5, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One sequence's (or one method's) acceptance per draft position, and its backoff."""
+    rates: list[float]
+    rounds: int = 0
+    backoff: int = 0              # steps left without speculating
+    next_backoff: int = BACKOFF_MIN
+    probing: bool = False         # the round after a backoff
+
+    def update(self, k: int, accepted: int, alpha: float = ACCEPT_ALPHA) -> None:
+        """Positions 1..accepted were accepted and position accepted + 1 (if drafted)
+        rejected; later positions were not tried, so they keep their average."""
+        for j in range(min(accepted + 1, k)):
+            hit = 1.0 if j < accepted else 0.0
+            self.rates[j] += alpha * (hit - self.rates[j])
+        self.rounds += 1
+
+    def tick(self) -> None:
+        """One step passed; at the end of a backoff the sequence probes: one round from
+        the prior (its collapsed averages would never let it draft)."""
+        if self.backoff:
+            self.backoff -= 1
+            if not self.backoff:
+                self.rates, self.probing = [PRIOR_ACCEPTANCE] * len(self.rates), True
+
+    def judge(self, accepted: int) -> None:
+        """After a round: back off when the first position collapsed, or when a probe
+        had its first draft rejected (for twice as long each time); a probe that
+        accepted resets the next backoff's length."""
+        if self.probing:
+            self.probing = False
+            if accepted:
+                self.next_backoff = BACKOFF_MIN
+                return
+        elif self.rounds < MIN_ROUNDS or self.backoff or self.rates[0] >= COLLAPSE:
+            return
+        self.backoff, self.next_backoff = self.next_backoff, min(2 * self.next_backoff, BACKOFF_MAX)
+
+
+@dataclass(slots=True)
+class SpecController:
+    """Per step: which sequences draft and how many tokens (:meth:`plan`); learns from
+    what the engine measures (:meth:`observe_cost`, :meth:`observe_accepted`).
+    ``adaptive=False`` pins k to ``max_k`` for every sequence that can draft."""
+    max_k: int
+    adaptive: bool = True
+    costs: CostTable = field(default_factory=CostTable)
+    seqs: dict[str, dict[str, Acceptance]] = field(default_factory=dict)   # rid -> method -> state
+    methods: dict[str, Acceptance] = field(default_factory=dict)   # priors for new sequences
+    choices: dict[int, int] = field(default_factory=dict)          # per bucket, for exploring
+
+    def _state(self, rid: str, method: str) -> Acceptance:
+        states = self.seqs.setdefault(rid, {})
+        s = states.get(method)
+        if s is None:
+            prior = self.methods.get(method)
+            rates = list(prior.rates) if prior is not None else [PRIOR_ACCEPTANCE] * self.max_k
+            s = states[method] = Acceptance(rates)
+        return s
+
+    def backing_off(self, rid: str, method: str) -> bool:
+        s = self.seqs.get(rid, {}).get(method)
+        return s is not None and s.backoff > 0
+
+    def step_ms(self, bucket: int, k: int, kind: str) -> float | None:
+        """The estimated cost of a step at ``bucket`` with ``k`` drafts drafted by
+        ``kind`` ("model" or "ngram"): target side plus proposer side."""
+        target = self.costs.estimate(("step", bucket, k))
+        if k == 0 or target is None:
+            return target
+        return target + (self.costs.estimate(("propose", bucket, k, kind)) or 0.0)
+
+    def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None]) -> Choice:
+        """``methods[i]``: what would draft for sequence ``rids[i]`` (None: nothing can)."""
+        if not self.adaptive:
+            return Choice(self.max_k, tuple(0 if m is None else self.max_k for m in methods), "fixed")
+        acceptances: list[list[float] | None] = []
+        backoff = False
+        for rid, m in zip(rids, methods):
+            s = None if m is None else self._state(rid, m)
+            if s is not None and s.backoff > 0:
+                backoff, s = True, None
+            acceptances.append(None if s is None else s.rates)
+            for state in self.seqs.get(rid, {}).values():   # a step passed for every method
+                state.tick()
+        if all(a is None for a in acceptances):
+            return Choice(0, (0,) * len(rids), "backoff" if backoff else "no_draft")
+        kind = "model" if any(m not in (None, "ngram") for m in methods) else "ngram"
+        n = self.choices[bucket] = self.choices.get(bucket, 0) + 1
+        if n % EXPLORE_EVERY == 0:     # the k whose cost here is least fresh (or unknown)
+            k = min(range(self.max_k + 1),
+                    key=lambda k: self.costs.seen.get(("step", bucket, k), -1))
+            return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
+        ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
+        unknown = [k for k, v in ms.items() if v is None]
+        if unknown:     # nothing measured to estimate from: measure it
+            k = unknown[-1]
+            return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
+        return choose_k(ms, acceptances, self.max_k)
+
+    def observe_cost(self, key: tuple, ms: float) -> None:
+        self.costs.observe(key, ms)
+
+    def observe_accepted(self, rid: str, method: str, k: int, accepted: int) -> None:
+        s = self._state(rid, method)
+        s.update(k, accepted)
+        if self.adaptive:
+            s.judge(accepted)
+        prior = self.methods.setdefault(method, Acceptance([PRIOR_ACCEPTANCE] * self.max_k))
+        prior.update(k, accepted, alpha=ACCEPT_ALPHA / 4)
+
+    def forget(self, rid: str) -> None:
+        self.seqs.pop(rid, None)
