@@ -36,11 +36,12 @@ def make_decode_pool():
     pools = []
 
     def make(model_dir, dtype="float32", page_size=4, kv_layout="HND", num_pages=64,
-             speculative=None):
+             speculative=None, prefix_caching=False):
         name = f"tkv-disagg-{os.getpid()}-{next(_names)}"
         SharedKVPool.unlink_stale(name)
         pool = SharedKVPool.create(decode_pool_spec(name, str(model_dir), dtype, page_size,
-                                                    kv_layout, num_pages, speculative=speculative))
+                                                    kv_layout, num_pages, speculative=speculative,
+                                                    prefix_caching=prefix_caching))
         pools.append(pool)
         return pool
 

@@ -280,3 +280,82 @@ def test_prefill_fills_the_proposers_kv_as_a_colocated_engine_does(
     want = _token_kv(co.proposer.runner.pool, seq.pages, n)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     prefill.release("p")
+
+
+# -- prefix caching across prefill and decode ---------------------------------------------------
+TURN = "\n\nclass Stack:\n    def push(self, item):\n        self.items.append(item)\n"
+
+
+def _cached_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir, lookahead):
+    """As :func:`_decode_remote_prefills`, each reservation sharing what decode's cache
+    holds of its prompt (kv_transfer's lookup); returns (tokens, pages shared per prompt)."""
+    from tandem.backends.engine.prefix_caching import prompt_page_keys
+    ctx = context_nbytes(model_dir, "float32")
+    root = pool.cache_root()
+    descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,),
+                     cached_keys=prompt_page_keys(t, 4, root, None, lookahead)) for t in ids]
+    tokens = {i: [] for i in range(len(ids))}
+    finished = threading.Semaphore(0)
+
+    def collect(i):
+        def on_output(out):
+            tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                finished.release()
+        return on_output
+    for i, (t, d) in enumerate(zip(ids, descs)):
+        ticket = SharedPoolTicket.for_descriptor(pool, d, len(t), engine.allocator)
+        engine.submit_prefilled(t, GREEDY, ticket, collect(i))
+    assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
+    for _ in ids:
+        assert finished.acquire(timeout=60)
+    shared = [DestinationDescriptor.from_bytes(d).first_page for d in descs]
+    return [tokens[i] for i in range(len(ids))], shared
+
+
+@pytest.mark.parametrize("method, kv_layout", [(None, "HND"), (None, "NHD"), ("draft_target", "HND"),
+                                               ("mtp", "NHD"), ("ngram", "HND")])
+def test_prefix_caching_across_prefill_and_decode_keeps_greedy_output(
+        demo_checkpoint, random_mtp_head, make_decode_pool, rx_peer, prefill_peer, method, kv_layout):
+    """Decode's cache in the shared pool, the prefill server's own: cold prompts, a new
+    turn on each (the prefix shared from decode's cache, only the rest sent), and the
+    turns again (every full page but the last shared): greedy output equals a colocated
+    engine with caching off, round after round, and every page comes back."""
+    from tandem.backends.engine.prefix_caching import key_lookahead
+    model_dir = str(demo_checkpoint)
+    spec = _speculative(method, demo_checkpoint, random_mtp_head) if method else None
+    plain = LLM(model_dir, page_size=4, speculative=spec, enable_prefix_caching=False)
+    turns = [p + TURN for p in PROMPTS]
+    expected = {"cold": [o.token_ids for o in plain.generate(PROMPTS, GREEDY)],
+                "turn": [o.token_ids for o in plain.generate(turns, GREEDY)]}
+    ref = plain.engine
+    del plain
+
+    pool = make_decode_pool(model_dir, page_size=4, kv_layout=kv_layout, num_pages=96,
+                            speculative=spec, prefix_caching=True)
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, kv_layout=kv_layout,
+                 max_num_batched_tokens=16, num_pages=64, speculative=spec)
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64,
+                           speculative=spec)
+    engine.start()
+    try:
+        la = key_lookahead(spec)
+        run = lambda prompts: _cached_remote_prefills(   # noqa: E731
+            engine, pool, [ref.tokenize(p) for p in prompts], rx_peer, prefill_peer, model_dir, la)
+        tokens, shared = run(PROMPTS)
+        assert tokens == expected["cold"] and shared == [0] * len(PROMPTS)
+        tokens, shared = run(turns)
+        assert tokens == expected["turn"] and all(s > 0 for s in shared)
+        again, shared_again = run(turns)
+        assert again == expected["turn"]
+        # every full page short of the last token, but one page always travels
+        n = [len(ref.tokenize(t)) for t in turns]
+        assert shared_again == [min((k - 1) // 4, -(-(k - 1) // 4) - 1) for k in n]
+        assert engine.prefix_cache.hit_tokens >= 4 * (sum(shared) + sum(shared_again))
+    finally:
+        engine.shutdown()
+    end = pool.stats()
+    assert (end.free, end.reserved, end.in_use, end.slots_active) == (start.free, 0, 0, 0)
+    assert end.cached > 0

@@ -171,9 +171,11 @@ def rx_drain(timeout_s: float) -> bool:
 
 
 def rx_reserve(num_tokens: int, src=(1, 1), context_nbytes=(), seed: int = 0,
-               max_run_pages: int | None = None, timeout_s: float | None = None) -> bytes:
+               max_run_pages: int | None = None, timeout_s: float | None = None,
+               cached_keys=()) -> bytes:
     d = _state["rx"].reserve(num_tokens, ShardScheme(*src), context_nbytes, seed=seed,
-                             max_run_pages=max_run_pages, timeout_s=timeout_s)
+                             max_run_pages=max_run_pages, timeout_s=timeout_s,
+                             cached_keys=list(cached_keys))
     return d.to_bytes()
 
 
