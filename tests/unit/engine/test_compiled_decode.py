@@ -28,15 +28,16 @@ def compiler_on(monkeypatch):
     monkeypatch.setattr(engine_config, "cxx_compiler", lambda: "c++")
 
 
-def _prefilled_pools(model, lens, page_size=4, num_pages=32):
-    """Two pools holding the same prefill of random prompts of ``lens`` tokens."""
+def _prefilled_pools(model, lens, page_size=4, num_pages=32, room=2):
+    """Two pools holding the same prefill of random prompts of ``lens`` tokens, with
+    pages for ``room`` more tokens each."""
     cfg = model.config
     pools = [KVPagePool.for_model(cfg, num_pages, page_size, torch.float32, "HND", "cpu")
              for _ in range(2)]
     g = torch.Generator().manual_seed(len(lens))
     lists, nxt = [], 0
-    for n in lens:   # room for two decode tokens
-        count = (n + 2 + page_size - 1) // page_size
+    for n in lens:
+        count = (n + room + page_size - 1) // page_size
         lists.append(list(range(nxt, nxt + count)))
         nxt += count
     prefill = ForwardBatch([torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens],
@@ -62,6 +63,39 @@ def test_compiled_step_equals_the_eager_step(tiny_checkpoint, compile_cache):
         torch.testing.assert_close(pools[1].kv, pools[0].kv, atol=1e-5, rtol=1e-5)
         used = {p for pages in lists for p in pages}
         assert not pools[1].kv[:, [p for p in range(pools[1].num_pages) if p not in used]].any()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_compiled_verify_step_equals_the_eager_step(tiny_checkpoint, compile_cache, k):
+    """Verify batches (k + 1 tokens per sequence, the prefill wrapper's attention in the
+    same opaque op) through the compiled graph: hidden states and KV as eager's; a ragged
+    batch (sequences drafting fewer) too."""
+    model = load_model(tiny_checkpoint, "float32")
+    for lens in ([6], [6, 3, 13]):
+        pools, lists = _prefilled_pools(model, lens, num_pages=48, room=k + 1)
+        eager, compiled = ModelRunner(model, pools[0]), ModelRunner(model, pools[1])
+        steps = CompiledDecode(compiled, buckets=[1, 2, 4], cache_dir=compile_cache, verify_ks=[k])
+        widths = [k + 1 if i != 1 else 1 for i in range(len(lens))]   # row 1 drafts nothing
+        batch = ForwardBatch([[11 + i + j for j in range(w)] for i, w in enumerate(widths)],
+                             list(lens), lists)
+        torch.testing.assert_close(steps.forward_verify(batch, k), eager.forward(batch)[1],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pools[1].kv, pools[0].kv, atol=1e-5, rtol=1e-5)
+    assert steps.forward_verify(batch, k + 1) is None          # a k it was not given: eager
+    steps.verify_compiled = set()                              # eager measured faster
+    assert steps.forward_verify(batch, k) is None
+
+
+def test_warm_up_times_and_decides_verify_steps(tiny_checkpoint, compile_cache):
+    model = load_model(tiny_checkpoint, "float32")
+    pool = KVPagePool.for_model(model.config, 8, 4, torch.float32, "HND", "cpu")
+    steps = CompiledDecode(ModelRunner(model, pool), buckets=[1, 2], cache_dir=compile_cache,
+                           verify_ks=[1, 3])
+    warm = steps.warm_up(scratch_page=7, rounds=1, steps=1)
+    assert sorted(warm.verify_timings) == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert set(warm.verify_compiled) == steps.verify_compiled == {
+        key for key, (e, c) in warm.verify_timings.items() if c < 0.95 * e}
+    assert not pool.kv[:, :7].any(), "warm-up wrote outside the scratch page"
 
 
 def test_batches_it_does_not_take_run_eagerly(tiny_checkpoint, compile_cache):
@@ -130,17 +164,23 @@ def test_a_restart_loads_the_compiled_graphs_from_the_cache_dir(target_dir, tmp_
     assert any((tmp_path / "fxgraph").rglob("*")), "inductor's FX graph cache is not in cache_dir"
 
 
-@pytest.mark.parametrize("spec", [None, "draft_target"])
+@pytest.mark.parametrize("spec", [None, "draft_target", "adaptive_auto"])
 def test_engine_with_compiled_decode_matches_hf(tiny_checkpoint, compile_cache, compiler_on, spec):
     """Greedy tokens, fp32, every decode bucket compiled: exactly HF's (a shrinking batch
-    crosses buckets 8, 4, 2 and 1); with a draft its decode steps are compiled too."""
+    crosses buckets 8, 4, 2 and 1); with a draft its decode steps and the target's verify
+    steps are compiled too (adaptive: at every k it may pick)."""
     ref = hf_greedy(str(tiny_checkpoint))
-    speculative = None if spec is None else SpeculativeConfig(spec, 3, draft_model=str(tiny_checkpoint))
+    speculative = None if spec is None else SpeculativeConfig(
+        "draft_target" if spec == "draft_target" else "auto", 3, draft_model=str(tiny_checkpoint),
+        adaptive=spec != "draft_target")
     llm = LLM(tiny_checkpoint, dtype="float32", page_size=7, max_num_seqs=8, compile="all",
               compile_cache_dir=compile_cache, speculative=speculative)
     engine = llm.engine
     assert isinstance(engine.decode_graphs, CompiledDecode) and engine.decode_graphs.compiled == [1, 2, 4, 8]
     assert (getattr(engine.proposer, "fast_decode", None) is not None) == (spec is not None)
+    want_verify = {None: set(), "draft_target": {(b, 3) for b in (1, 2, 4, 8)},
+                   "adaptive_auto": {(b, k) for b in (1, 2, 4, 8) for k in (1, 2, 3)}}[spec]
+    assert engine.decode_graphs.verify_compiled == want_verify
     params = [SamplingParams(max_tokens=NEW_TOKENS - 3 * i, temperature=0.0) for i in range(8)]
     outs = llm.generate(prompts(engine.model.config.vocab_size), params)
     for i, out in enumerate(outs):
