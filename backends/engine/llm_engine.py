@@ -112,6 +112,9 @@ class LLMEngine:
         self.proposer = self._make_proposer(spec, num_pages, dtype, proposer_kv_pool)
         self.spec_metrics = SpecDecodeMetrics(self.num_speculative_tokens)
         self._buckets = capture_sizes(config.max_num_seqs)
+        # what a step costs: CPU time on a CPU (on a shared host wall time would time the
+        # other processes too, as compiled_decode's warm-up notes), wall time on a GPU
+        self._clock = time.perf_counter if config.device.startswith("cuda") else time.process_time
         self.num_lookahead_slots = lookahead_slots(spec)
         self.prefix = self._make_prefix_caching(spec)
         self.scheduler = Scheduler(self.allocator, page_size, config.max_num_seqs,
@@ -203,10 +206,10 @@ class LLMEngine:
                 for kk in range(k + 1):
                     batch = ForwardBatch([[0] * (kk + 1)], [0], [scratch])
                     self.runner.forward(batch)
-                    start = time.perf_counter()
+                    start = self._clock()
                     for _ in range(2):
                         self.runner.forward(batch)
-                    seeds[("step", 1, kk)] = 1000 * (time.perf_counter() - start) / 2
+                    seeds[("step", 1, kk)] = 1000 * (self._clock() - start) / 2
             finally:
                 self.allocator.free(scratch)
         for key, ms in seeds.items():
@@ -395,7 +398,7 @@ class LLMEngine:
             choice = self._choose([s.seq for s in scheduled])
             if choice is not None and choice[0].k > 0:
                 return self._speculative_step([s.seq for s in scheduled], *choice)
-        began = time.perf_counter()
+        began = self._clock()
         starts = [s.start for s in scheduled]
         batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled], starts,
                              [s.seq.pages for s in scheduled])
@@ -425,7 +428,7 @@ class LLMEngine:
                                self._fail)
             if choice is not None:   # a plain decode step the controller chose: its cost
                 self.controller.observe_cost(("step", self._bucket(len(scheduled)), 0),
-                                             1000 * (time.perf_counter() - began))
+                                             1000 * (self._clock() - began))
         return outputs
 
     def _bucket(self, batch_size: int) -> int:
@@ -469,10 +472,10 @@ class LLMEngine:
         for i, k in enumerate(ks):
             groups.setdefault(k, []).append(i)
         masks: dict[int, Future | None] = {}
-        began = time.perf_counter()
+        began = self._clock()
         try:
             drafts = self._propose(seqs, ks, methods)
-            proposed = time.perf_counter()
+            proposed = self._clock()
             draft_rows = {k: torch.tensor([drafts[i] for i in rows], dtype=torch.long).view(len(rows), k)
                           for k, rows in groups.items()}
             for k, rows in groups.items():
@@ -550,7 +553,7 @@ class LLMEngine:
         bucket = self._bucket(len(seqs))
         kind = "model" if any(m not in (None, "ngram") for m, k in zip(methods, ks) if k) else "ngram"
         self.controller.observe_cost(("propose", bucket, choice.k, kind), 1000 * (proposed - began))
-        self.controller.observe_cost(("step", bucket, choice.k), 1000 * (time.perf_counter() - proposed))
+        self.controller.observe_cost(("step", bucket, choice.k), 1000 * (self._clock() - proposed))
         return outputs
 
     def _start_guides(self, seqs: list[Sequence], n: int,

@@ -1,6 +1,8 @@
 """Speculative decoding against plain decoding and HF transformers, side by side.
 
 On the demo checkpoints: Tandem plain, draft-target, MTP and ngram (prompt lookup) at k = 1..5 (batch 1 and 8),
+adaptive speculation (``auto``: ngram where it matches, the MTP head elsewhere, k per step
+from measured costs and acceptance; ``<method>+adaptive``: one method, k adaptive),
 HF ``generate`` plain, assisted generation (``assistant_model`` = the same draft) and
 prompt-lookup decoding, all greedy on the same weights, dtype, threads and prompts.
 Tokens/s per request stream: ``batch * new tokens / wall time`` of the whole generation
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from typing import Callable
 
-from tandem.client.bench.args import add_dtype, comma_list, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, comma_list, names, positive_int, positive_ints
 from tandem.client.bench.harness import timed
 from tandem.client.bench.repeats import error_bars, fmt, spread
 from tandem.client.bench.report import header, save_figure, write
@@ -44,7 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the draft and the MTP head over their N most frequent tokens "
                         "(FR-Spec; comma-separated sizes, e.g. 1024,2048; needs "
                         "token_frequencies.json in their checkpoints)")
+    p.add_argument("--methods", type=names(*ROW_METHODS), default="draft_target,mtp,ngram,auto",
+                   help=f"rows besides plain, of: {', '.join(ROW_METHODS)} (auto: --spec auto, adaptive k up "
+                        "to the largest of --ks; +adaptive: that method with adaptive k)")
+    p.add_argument("--engine", choices=("eager", "default"), default="eager",
+                   help="eager: every Tandem row with enforce_eager; default: the engine's defaults, as "
+                        "tandem serve runs it (compiled decode and verify steps where warm-up measured "
+                        "them faster)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+
+
+ROW_METHODS = ("draft_target", "mtp", "ngram", "auto", "draft_target+adaptive", "mtp+adaptive",
+               "ngram+adaptive")
 
 
 def bench_prompt_ids(target: Path, n: int, tokenizer) -> list[list[int]]:
@@ -61,21 +74,26 @@ RunResult = dict   # tokens_per_s, acceptance_rate, mean_acceptance_length
 
 
 def tandem_runner(target, dtype, prompts, new_tokens, speculative=None,
-                  compile: bool = False) -> Callable[[], RunResult]:
-    """An engine loaded and warmed up once; each call generates the batch again."""
+                  compile: bool | None = False) -> Callable[[], RunResult]:
+    """An engine loaded and warmed up once; each call generates the batch again
+    (``compile``: True compiles every bucket, None is the engine's default)."""
     from tandem.backends import LLM, SamplingParams
-    mode = dict(compile="all") if compile else dict(enforce_eager=True)
+    mode = dict(compile="all") if compile else {} if compile is None else dict(enforce_eager=True)
     llm = LLM(target, dtype=dtype, speculative=speculative, max_num_seqs=max(8, len(prompts)), **mode)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
 
     def run() -> RunResult:
+        import time
         llm.engine.spec_metrics.reset()
+        cpu = time.process_time()
         seconds = timed(lambda: llm.generate(prompts, params))
+        cpu = time.process_time() - cpu
         m = llm.engine.spec_metrics
-        return dict(tokens_per_s=new_tokens / seconds,
+        return dict(tokens_per_s=new_tokens / seconds, tokens_per_cpu_s=new_tokens / cpu,
                     acceptance_rate=m.acceptance_rate if speculative else None,
-                    mean_acceptance_length=m.mean_acceptance_length if speculative else None)
+                    mean_acceptance_length=m.mean_acceptance_length if speculative else None,
+                    choices=m.as_dict()["steps_by_choice"] if speculative else None)
     return run
 
 
@@ -105,7 +123,7 @@ def hf_runner(target, dtype, prompts, new_tokens, **gen_kwargs) -> Callable[[], 
     generate()   # warm-up, as the engines get
 
     def run() -> RunResult:
-        return dict(tokens_per_s=new_tokens / timed(generate), acceptance_rate=None,
+        return dict(tokens_per_s=new_tokens / timed(generate), tokens_per_cpu_s=None, acceptance_rate=None,
                     mean_acceptance_length=None)
     return run
 
@@ -120,21 +138,35 @@ def runners_for(args, prompts) -> list[tuple[tuple, Callable[[], RunResult]]]:
     from tandem.backends import SpeculativeConfig
     methods = []
     vocabs = [None, *args.draft_vocab_sizes]
+    has = {"draft_target": (args.draft / "config.json").exists(), "mtp": (args.mtp / "config.json").exists(),
+           "ngram": True}
+    paths = {"draft_target": dict(draft_model=str(args.draft)), "mtp": dict(mtp_head=str(args.mtp)),
+             "ngram": {}}
     for vocab in vocabs:
-        if (args.draft / "config.json").exists():
-            methods.append(("draft_target", vocab, dict(draft_model=str(args.draft))))
-        if (args.mtp / "config.json").exists():
-            methods.append(("mtp", vocab, dict(mtp_head=str(args.mtp))))
-    methods.append(("ngram", None, {}))   # prompt lookup: no model
-    rows = [(("tandem", "none", 0), tandem_runner(args.target, args.dtype, prompts, args.new_tokens))]
-    if (args.draft / "config.json").exists():   # the draft decoding alone: its cost per token
-        rows.append((("tandem", "draft_alone", 0),
-                     tandem_runner(args.draft, args.dtype, prompts, args.new_tokens)))
-    for method, vocab, paths in methods:
+        for method in ("draft_target", "mtp", "ngram"):
+            if method in args.methods and has[method] and (vocab is None or method != "ngram"):
+                methods.append((method, vocab, paths[method]))
+    compile = None if args.engine == "default" else False
+    run_of = lambda target, spec=None: tandem_runner(target, args.dtype, prompts, args.new_tokens, spec,
+                                                     compile=compile)
+    rows = [(("tandem", "none", 0), run_of(args.target))]
+    if has["draft_target"] and "draft_target" in args.methods:   # the draft alone: its cost per token
+        rows.append((("tandem", "draft_alone", 0), run_of(args.draft)))
+    for method, vocab, kw in methods:
         for k in args.ks:
-            spec = SpeculativeConfig(method, k, draft_vocab_size=vocab, **paths)
-            rows.append((("tandem", label(method, vocab), k),
-                         tandem_runner(args.target, args.dtype, prompts, args.new_tokens, spec)))
+            spec = SpeculativeConfig(method, k, draft_vocab_size=vocab, **kw)
+            rows.append((("tandem", label(method, vocab), k), run_of(args.target, spec)))
+    k_max = max(args.ks)
+    for name in args.methods:     # adaptive rows: k up to the largest of --ks
+        if name == "auto":
+            spec = SpeculativeConfig("auto", k_max, mtp_head=str(args.mtp) if has["mtp"] else None,
+                                     draft_model=str(args.draft) if has["draft_target"] else None,
+                                     adaptive=True)
+        elif name.endswith("+adaptive") and has.get(name.split("+")[0]):
+            spec = SpeculativeConfig(name.split("+")[0], k_max, adaptive=True, **paths[name.split("+")[0]])
+        else:
+            continue
+        rows.append((("tandem", name, k_max), run_of(args.target, spec)))
     if args.compile:
         rows.append((("tandem", "none+compile", 0),
                      tandem_runner(args.target, args.dtype, prompts, args.new_tokens, compile=True)))
@@ -178,11 +210,14 @@ def run(args) -> int:
         for (system, method, k), results in runs.items():
             row = dict(batch=batch, system=system, method=method, k=k,
                        **{name: spread([r[name] for r in results]) for name in RESULT_KEYS})
+            if results and results[-1].get("choices"):
+                row["choices_last_run"] = results[-1]["choices"]
             rows.append(row)
             acc = "" if row["acceptance_rate"]["median"] is None else \
                 f"{row['acceptance_rate']['median']:.2f}  {row['mean_acceptance_length']['median']:.2f}"
             print(f"{batch:>5} {system:>7} {method:>16} {k if k else '-':>3} "
-                  f"{fmt(row['tokens_per_s']):>24}  {acc}", flush=True)
+                  f"{fmt(row['tokens_per_s']):>24}  {acc}  per CPU s {fmt(row['tokens_per_cpu_s'])}",
+                  flush=True)
     result = dict(**header("spec", args), target=str(args.target), dtype=args.dtype,
                   new_tokens=args.new_tokens, repeats=args.repeats, rows=rows,
                   summary=summarize(rows))
@@ -192,8 +227,9 @@ def run(args) -> int:
     return 0
 
 
-RESULT_KEYS = ("tokens_per_s", "acceptance_rate", "mean_acceptance_length")
-SPECULATIVE = ("draft_target", "mtp", "ngram")
+# tokens per CPU second as well: on a shared host the wall time includes waiting for a core
+RESULT_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "acceptance_rate", "mean_acceptance_length")
+SPECULATIVE = ("draft_target", "mtp", "ngram", "auto")
 
 
 def base_method(method: str) -> str:
@@ -201,9 +237,9 @@ def base_method(method: str) -> str:
     return method.split("/")[0].split("+")[0]
 
 
-def per_run(rows: list[dict], key: tuple) -> list[float] | None:
+def per_run(rows: list[dict], key: tuple, metric: str = "tokens_per_s") -> list[float] | None:
     r = next((r for r in rows if (r["system"], r["method"], r["k"]) == key), None)
-    return None if r is None else r["tokens_per_s"]["runs"]
+    return None if r is None else r[metric]["runs"]
 
 
 def ratio(a: list[float] | None, b: list[float] | None) -> dict | None:
@@ -237,6 +273,19 @@ def summarize(rows: list[dict]) -> dict:
                                                       per_run(rs, ("hf", "assisted", 0))),
                        speedup_over_hf_prompt_lookup=ratio(per_run(rs, key),
                                                            per_run(rs, ("hf", "prompt_lookup", 0))))
+        for auto in sorted({r["method"] for r in rs if r["method"] == "auto" or r["method"].endswith("+adaptive")}):
+            a = next(r for r in rs if r["method"] == auto)
+            row[f"{auto}_over_plain"] = ratio(per_run(rs, ("tandem", auto, a["k"])), plain)
+            row[f"{auto}_over_plain_cpu"] = ratio(per_run(rs, ("tandem", auto, a["k"]), "tokens_per_cpu_s"),
+                                                  per_run(rs, ("tandem", "none", 0), "tokens_per_cpu_s"))
+        fixed = [r for r in spec if r["method"] in ("draft_target", "mtp", "ngram")]
+        if fixed and plain:
+            best = max(fixed, key=lambda r: r["tokens_per_s"]["median"])
+            row["best_fixed"] = f"{best['method']} k={best['k']}"
+            row["best_fixed_over_plain"] = ratio(per_run(rs, ("tandem", best["method"], best["k"])), plain)
+            row["best_fixed_over_plain_cpu"] = ratio(
+                per_run(rs, ("tandem", best["method"], best["k"]), "tokens_per_cpu_s"),
+                per_run(rs, ("tandem", "none", 0), "tokens_per_cpu_s"))
         draft = per_run(rs, ("tandem", "draft_alone", 0))
         if draft and plain:
             row["draft_cost_over_target_cost"] = ratio(plain, draft)
