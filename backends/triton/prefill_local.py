@@ -34,10 +34,10 @@ class LocalPrefillModel(PrefillModel):
         if sender.faults is not None:
             pb_utils.Logger.log_warn(f"[prefill] fault injection is on: {sender.faults}")
 
-    def take(self, desc, desc_arr, ids_arr) -> None:
+    def take(self, desc, desc_arr, ids_arr, cache_salt=None) -> None:
         # raises ValueError (a descriptor that does not fit this prefill's pools) or
         # PrefillClosing (shutting down)
-        self.service.submit(desc, token_ids(ids_arr), _log_failure)
+        self.service.submit(desc, token_ids(ids_arr), _log_failure, cache_salt=cache_salt)
 
     def finalize(self) -> None:
         if getattr(self, "service", None) is not None:

@@ -28,10 +28,10 @@ class RemotePrefillModel(PrefillModel):
         pb_utils.Logger.log_info(f"[prefill] forwarding to {', '.join(self.router.endpoints)} "
                                  f"({s.prefill_routing})")
 
-    def take(self, desc, desc_arr, ids_arr) -> None:
+    def take(self, desc, desc_arr, ids_arr, cache_salt=None) -> None:
         # the prefill server parses the descriptor again: it travels as it came;
         # raises PrefillUnavailable when every prefill server failed
-        self.router.submit(ids_arr, desc_arr)
+        self.router.submit(ids_arr, desc_arr, cache_salt)
 
     def _prefill_down(self, until_s: float | None) -> None:
         """Tell kv_transfer (decode's load board) that the prefill servers took no job:

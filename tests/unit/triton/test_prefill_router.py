@@ -52,6 +52,7 @@ class FakeClient:
 
     def infer(self, model, inputs, client_timeout=None):
         self.calls += 1
+        self.inputs = inputs
         if self.outcome is not None:
             raise self.outcome
 
@@ -127,3 +128,14 @@ def test_the_router_says_when_no_prefill_server_takes_jobs_and_when_one_does(mon
     clock[0] = 106.0
     monkeypatch.setattr(r, "_client", lambda url: made[0])
     assert r.submit(IDS, DESC) == "p:1" and said[-1] is None
+
+
+def test_the_prompts_cache_salt_travels_with_the_job(monkeypatch):
+    """The prefill server's prefix cache keys pages by the salt too: it goes along as
+    the prefill model's optional ``cache_salt`` input (and is absent without one)."""
+    r, made = router_with(monkeypatch, {"p:1": None}, [0.0])
+    r.submit(IDS, DESC)
+    assert [i.name() for i in made[0].inputs] == ["input_ids", "kv_descriptor"]
+    r.submit(IDS, DESC, cache_salt="tenant-a")
+    salt = made[0].inputs[-1]
+    assert (salt.name(), salt.datatype(), salt.shape()) == ("cache_salt", "BYTES", [1, 1])

@@ -928,15 +928,17 @@ def prefill_adapter(pb_utils, monkeypatch):
 
     class FakeRouter:
         jobs: list = []
+        salts: list = []
         fail: Exception | None = None
 
         def __init__(self, endpoints, on_down=None, **options):
             self.endpoints, self.closed, self.options = endpoints, False, options
 
-        def submit(self, ids, desc):
+        def submit(self, ids, desc, cache_salt=None):
             if FakeRouter.fail is not None:
                 raise FakeRouter.fail
             FakeRouter.jobs.append((ids, desc))
+            FakeRouter.salts.append(cache_salt)
 
         def close(self):
             self.closed = True
@@ -952,9 +954,9 @@ def prefill_args(**params):
     return {"model_config": json.dumps(model_config(decoupled=False, **params)), "model_name": "prefill"}
 
 
-def prefill_request(desc: bytes, ids=(5, 6, 7)):
+def prefill_request(desc: bytes, ids=(5, 6, 7), **extra):
     return Request(kv_descriptor=np.frombuffer(desc, dtype=np.uint8).reshape(1, -1),
-                   input_ids=np.array([list(ids)], dtype=np.int32))
+                   input_ids=np.array([list(ids)], dtype=np.int32), **extra)
 
 
 def a_descriptor() -> bytes:
@@ -983,7 +985,7 @@ def test_the_forwarding_prefill_model_acks_refuses_and_reports_unavailable(prefi
     from tandem.backends.triton.prefill_router import PrefillUnavailable
 
     adapter_cls, router = prefill_adapter
-    router.jobs, router.fail = [], None
+    router.jobs, router.salts, router.fail = [], [], None
     model = adapter_cls()
     model.initialize(prefill_args(prefill_endpoints="10.0.0.5:8001"))
     desc = a_descriptor()
@@ -992,6 +994,8 @@ def test_the_forwarding_prefill_model_acks_refuses_and_reports_unavailable(prefi
     assert ok.error is None, ok.error.message()
     assert local.error is None and ok.outputs["prefill_ack"].all()
     assert [d.tobytes() for _, d in router.jobs] == [desc]      # the local path forwards nothing
+    (salted,) = model.execute([prefill_request(desc, cache_salt=np.array([[b"tenant-a"]], dtype=object))])
+    assert salted.error is None and router.salts == [None, "tenant-a"]   # the salt travels on
     assert forged.error.code() == pb_utils.TritonError.INVALID_ARG
     assert forged.error.message().startswith("kv_descriptor: ")
     router.fail = PrefillUnavailable("no prefill server took the job")
