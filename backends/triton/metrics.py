@@ -232,16 +232,8 @@ class EngineMetrics(_ModelMetrics):
                          "draft tokens accepted, by proposer", method=method
                          ).increment(d.take(("accepted", method), accepted))
         c = getattr(engine, "prefix_cache", None)
-        if c is not None:   # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
-            for name, total, what in (
-                    ("tandem_prefix_cache_queries_total", c.queried_tokens,
-                     "prompt tokens looked up in the prefix cache (full pages, the last token excluded)"),
-                    ("tandem_prefix_cache_hits_total", c.hit_tokens, "prompt tokens the prefix cache served"),
-                    ("tandem_prefix_cache_evictions_total", c.evictions, "cached KV pages evicted for new ones")):
-                r.metric(name, "counter", what).increment(d.take(name, total))
-            r.metric("tandem_prefix_cache_hit_rate", "gauge",
-                     "prefix cache hits / queries (tokens) since start").set(c.hit_rate)
-            r.metric("tandem_prefix_cache_pages", "gauge", "KV pages the prefix cache holds").set(c.cached_pages)
+        if c is not None:
+            _prefix_cache(r, d, c)
         if pool is not None:
             s = pool.stats()
             pages = {"free": s.free, "reserved": s.reserved, "in_use": s.in_use}
@@ -286,6 +278,32 @@ class TransferMetrics(_ModelMetrics):
                  ).increment(d.take("reservations", stats.reservations))
         s = pool.stats()
         _set_pages(r, {"free": s.free, "reserved": s.reserved, "in_use": s.in_use})
+
+
+def _prefix_cache(r: _Registry, d: Deltas, c) -> None:
+    """A ``PrefixCacheStats``: vLLM's prefix_cache_queries / prefix_cache_hits, in tokens."""
+    for name, total, what in (
+            ("tandem_prefix_cache_queries_total", c.queried_tokens,
+             "prompt tokens looked up in the prefix cache (full pages, the last token excluded)"),
+            ("tandem_prefix_cache_hits_total", c.hit_tokens, "prompt tokens the prefix cache served"),
+            ("tandem_prefix_cache_evictions_total", c.evictions, "cached KV pages evicted for new ones")):
+        r.metric(name, "counter", what).increment(d.take(name, total))
+    r.metric("tandem_prefix_cache_hit_rate", "gauge",
+             "prefix cache hits / queries (tokens) since start").set(c.hit_rate)
+    r.metric("tandem_prefix_cache_pages", "gauge", "KV pages the prefix cache holds").set(c.cached_pages)
+
+
+class PrefillMetrics(_ModelMetrics):
+    """What the ``prefill`` model (its local role) records: its own prefix cache."""
+
+    def __init__(self, model: str, version: str):
+        super().__init__(model, version)
+        self._deltas = Deltas()
+
+    def poll_prefill(self, prefix_cache) -> None:
+        """Refresh from the prefill engine's ``PrefixCacheStats`` (None: caching off)."""
+        if prefix_cache is not None:
+            _prefix_cache(self._r, self._deltas, prefix_cache)
 
 
 class Poller:

@@ -7,6 +7,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from .disagg_common import token_ids
+from .metrics import Poller, PrefillMetrics
 from .prefill_model import PrefillModel
 from .settings import EngineSettings
 
@@ -31,6 +32,9 @@ class LocalPrefillModel(PrefillModel):
                                       sender)
         self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
         self.service.start()
+        self.metrics = PrefillMetrics(args.get("model_name", "prefill"), version)
+        self.metrics_poller = Poller(
+            lambda: self.metrics.poll_prefill(self.service.engine.prefix_cache_stats()))
         if sender.faults is not None:
             pb_utils.Logger.log_warn(f"[prefill] fault injection is on: {sender.faults}")
 
@@ -40,9 +44,14 @@ class LocalPrefillModel(PrefillModel):
         self.service.submit(desc, token_ids(ids_arr), _log_failure, cache_salt=cache_salt)
 
     def finalize(self) -> None:
+        if getattr(self, "metrics_poller", None) is not None:
+            self.metrics_poller.stop()
         if getattr(self, "service", None) is not None:
             # an unload (a draining server, a version roll): the jobs taken finish first
             self.service.shutdown(drain_s=self.drain_s)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()   # while the stub can still talk to the server
+            self.metrics = None
 
 
 def _log_failure(error: str | None) -> None:

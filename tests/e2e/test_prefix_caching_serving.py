@@ -134,6 +134,12 @@ def test_disaggregated_prefill_sends_only_what_decode_lacks(disagg):
     # KV bytes over UCX (pages and the one context blob): the cached pages stayed behind
     pages, shared = -(-(fresh["num_input_tokens"] - 1) // 16), cached["num_cached_tokens"] // 16
     assert 0 < b1 - b0 < (b2 - b1) * (pages - shared + 1) / pages
+    # the prefill process had the conversation cached too: it computed only the turn
+    deadline = time.monotonic() + 10
+    while metric(disagg, "tandem_prefix_cache_hits_total", "prefill") <= 0:
+        assert time.monotonic() < deadline, "the prefill's own cache never counted a hit"
+        time.sleep(0.2)
+    assert metric(disagg, "tandem_prefix_cache_hits_total", "decode") >= cached["num_cached_tokens"]
     # the turn's tokens may part from the conversation's in its last page
     assert cached["num_cached_tokens"] >= 16 * ((n0 - 1) // 16 - 1) > 0
     assert cached["num_cached_tokens"] % 16 == 0
