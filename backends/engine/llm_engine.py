@@ -155,8 +155,9 @@ class LLMEngine:
         # the target verifies k + 1 tokens per sequence, at every k adaptive speculation picks
         ks = list(range(1, k + 1)) if self.controller is not None and self.controller.adaptive else [k]
         models = [("target", self.runner, ks if k else [])]
-        if isinstance(self._model_proposer(), DraftModelProposer):   # its k - 1 decode steps
-            models.append(("draft", self._model_proposer().runner, []))
+        if isinstance(self._model_proposer(), DraftModelProposer):
+            # its k - 1 decode steps, and its catch-up on the 1..k + 1 tokens a step accepted
+            models.append(("draft", self._model_proposer().runner, ks if k else []))
         compiled = []
         try:
             for name, runner, verify_ks in models:

@@ -2,6 +2,8 @@
 token ahead of the target's."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ...kv_cache import KVPagePool
@@ -44,11 +46,22 @@ class DraftModelProposer:
             return
         batch = ForwardBatch([s.token_ids(a, b) for s, a, b in todo], [a for _, a, _ in todo],
                              [s.pages for s, _, _ in todo])
-        inputs, hidden = self.runner.forward(batch)
-        logits = self.vocab.logits(hidden[inputs.last_rows])
+        hidden = self._forward(batch, max(batch.qo_lens) - 1)
+        last = list(itertools.accumulate(batch.qo_lens))
+        logits = self.vocab.logits(hidden[[n - 1 for n in last]])
         for i, (s, _, b) in enumerate(todo):
             s.draft.computed = b
             s.draft.logits = logits[i] if b == s.num_tokens else None
+
+    def _forward(self, batch: ForwardBatch, extra: int) -> torch.Tensor:
+        """The draft's hidden rows of ``batch`` (up to ``extra + 1`` tokens per sequence):
+        through the engine's graphed or compiled steps where they take it, else eager."""
+        fast = self.fast_decode
+        hidden = None
+        if fast is not None:
+            hidden = fast.forward(batch) if extra == 0 else \
+                getattr(fast, "forward_verify", lambda batch, k: None)(batch, extra)
+        return self.runner.forward(batch)[1] if hidden is None else hidden
 
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
@@ -58,9 +71,7 @@ class DraftModelProposer:
         for _ in range(k - 1):
             batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
                                  [s.pages for s in seqs])
-            hidden = None if self.fast_decode is None else self.fast_decode.forward(batch)
-            if hidden is None:
-                _, hidden = self.runner.forward(batch)
+            hidden = self._forward(batch, 0)
             for s in seqs:
                 s.draft.computed += 1
             token = self.vocab.greedy(self.vocab.logits(hidden), drafts, process)

@@ -181,6 +181,8 @@ def test_engine_with_compiled_decode_matches_hf(tiny_checkpoint, compile_cache, 
     want_verify = {None: set(), "draft_target": {(b, 3) for b in (1, 2, 4, 8)},
                    "adaptive_auto": {(b, k) for b in (1, 2, 4, 8) for k in (1, 2, 3)}}[spec]
     assert engine.decode_graphs.verify_compiled == want_verify
+    if spec is not None:   # the draft's catch-up on the tokens a step accepted, compiled too
+        assert engine.proposer.fast_decode.verify_compiled == want_verify
     params = [SamplingParams(max_tokens=NEW_TOKENS - 3 * i, temperature=0.0) for i in range(8)]
     outs = llm.generate(prompts(engine.model.config.vocab_size), params)
     for i, out in enumerate(outs):
