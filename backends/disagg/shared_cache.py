@@ -25,38 +25,26 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tandem.rdma import SharedKVPool
+from tandem.rdma import SharedKVPool, SharedPageAllocator
 
 from ..kv_cache.prefix_cache import CacheStats
 
 
-class SharedCachingAllocator:
-    """Prefix caching on a shared pool this process (decode) owns the cache of."""
+class SharedCachingAllocator(SharedPageAllocator):
+    """Prefix caching on a shared pool this process (decode) owns the cache of; its
+    free count includes evictable cached pages."""
 
     caching = True
 
     def __init__(self, pool: SharedKVPool, root: bytes):
         if not pool.caching:
             raise ValueError(f"shared pool {pool.spec.name!r} has no prefix cache (max_pins=0)")
-        self.pool = pool
-        self.num_pages = pool.spec.num_pages
+        super().__init__(pool)
         self._ref: Counter[int] = Counter()
         self._stats = CacheStats()
         pool.become_cache_owner(root)   # what an earlier owner (version) cached is dropped
 
     # -- KVAllocator ------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        """Free pages and evictable cached pages (a hint: kv_transfer reserves too)."""
-        return self.pool.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - self.pool.num_free
-
-    def can_alloc(self, n: int) -> bool:
-        return n <= self.pool.num_free
-
     def try_alloc(self, n: int) -> list[int] | None:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")

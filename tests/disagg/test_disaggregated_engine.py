@@ -16,6 +16,8 @@ from tandem.backends.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tandem.backends.engine.prefill_engine import PrefillEngine, PrefillHooks
 from tandem.rdma import DestinationDescriptor
 
+from ..unit.kv_reference import token_kv
+
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:",
            "x = [i * i for i in range(10)]\nprint(", "    return self._data[key]\n\n    def ",
            "# " + "the quick brown fox jumps over the lazy dog " * 3]
@@ -251,13 +253,6 @@ def test_prefill_refuses_a_reservation_without_the_proposers_kv(demo_checkpoint,
         svc.shutdown()
 
 
-def _token_kv(pool, pages, n):
-    """[layers, 2, n, heads, head_dim]: the KV of a sequence's first n tokens (HND pool)."""
-    kv = pool.kv[:, pages]                           # [L, pages, 2, H, page_size, D]
-    kv = kv.permute(0, 2, 1, 4, 3, 5)                # [L, 2, pages, page_size, H, D]
-    return kv.reshape(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, :n]
-
-
 @pytest.mark.parametrize("method", ["draft_target", "mtp"])
 def test_prefill_fills_the_proposers_kv_as_a_colocated_engine_does(
         demo_checkpoint, random_mtp_head, colocated, method):
@@ -276,8 +271,8 @@ def test_prefill_fills_the_proposers_kv_as_a_colocated_engine_does(
     co.step()                         # prefill, then the proposer catches up past the prompt
     seq, n = co.seqs["c"], len(ids) - 1
     assert seq.draft.computed >= n
-    got = _token_kv(prefill.proposer.pool, prefill.finished["p"].pages, n)
-    want = _token_kv(co.proposer.runner.pool, seq.pages, n)
+    got = token_kv(prefill.proposer.pool, prefill.finished["p"].pages, n)
+    want = token_kv(co.proposer.runner.pool, seq.pages, n)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     prefill.release("p")
 

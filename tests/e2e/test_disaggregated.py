@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve.options import MODES, ServeOptions
-from tandem.client.serve.triton_server import TritonServer, stub_processes
+from tandem.client.serve.options import MODES
+from tandem.client.serve.triton_server import stub_processes
 
-from .triton_calls import first_answer, http_post, metric, sse_events, tensors
+from .triton_calls import first_answer, http_post, metric, served, sse_events, tensors
 
 pytestmark = pytest.mark.e2e
 DISAGG, COLOCATED, TOKENS = "tandem", "tandem_colocated", "tandem_tokens"
@@ -29,17 +29,10 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve-disagg")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
-                                    disagg_policy="remote", **SETTINGS),
-                       # six stubs unload slowly on a busy machine
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
-                       exit_timeout_s=30)
-    try:
-        srv.start()
+    # six stubs load slowly on a busy machine
+    with served(tmp_path_factory.mktemp("serve-disagg"), 300, model_dir=str(demo_checkpoint),
+                torch_threads=1, mode="both", disagg_policy="remote", **SETTINGS) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

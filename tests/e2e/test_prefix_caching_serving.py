@@ -13,10 +13,7 @@ import time
 
 import pytest
 
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
-
-from .triton_calls import http_post, metric
+from .triton_calls import http_post, metric, served
 
 pytestmark = pytest.mark.e2e
 MODEL = "tandem_colocated"
@@ -25,16 +22,9 @@ PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n" * 6
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=4,
-                                       mode="colocated", enforce_eager=True),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180,
-                       exit_timeout_s=30)
-    try:
-        srv.start()
+    with served(tmp_path_factory.mktemp("serve"), model_dir=str(demo_checkpoint), torch_threads=1,
+                max_num_seqs=4, mode="colocated") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def generate(server, **extra):
@@ -70,18 +60,11 @@ def test_a_salt_keeps_prefixes_apart(server):
 # -- disaggregated ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve-disagg")
     # prompts of more than 16 uncached tokens go to the prefill process
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=4,
-                                       mode="disaggregated", enforce_eager=True,
-                                       disagg_policy="conditional:local_prompt_tokens=16"),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=240,
-                       exit_timeout_s=30)
-    try:
-        srv.start()
+    with served(tmp_path_factory.mktemp("serve-disagg"), 240, model_dir=str(demo_checkpoint),
+                torch_threads=1, max_num_seqs=4, mode="disaggregated",
+                disagg_policy="conditional:local_prompt_tokens=16") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def disagg_generate(server, prompt, **extra):

@@ -22,10 +22,10 @@ import pytest
 from tandem.backends.triton.generate_request import INPUT_NAMES
 from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
-from tandem.client.serve.options import MODES, ServeOptions
-from tandem.client.serve.triton_server import TritonServer, free_port, stub_processes
+from tandem.client.serve.options import MODES
+from tandem.client.serve.triton_server import free_port, stub_processes
 
-from .triton_calls import http_post, metric, sse_events
+from .triton_calls import http_post, metric, served, sse_events
 
 pytestmark = pytest.mark.e2e
 MODEL = "tandem_colocated"
@@ -34,16 +34,9 @@ MAX_NUM_SEQS = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=MAX_NUM_SEQS,
-                                    mode="colocated"),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180,
-                       exit_timeout_s=30)
-    try:
-        srv.start()
+    with served(tmp_path_factory.mktemp("serve"), model_dir=str(demo_checkpoint), torch_threads=1,
+                max_num_seqs=MAX_NUM_SEQS, mode="colocated") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import queue
 import re
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -76,3 +78,19 @@ def metric_in(text: str, name: str, model: str, other_labels: set[str] | None = 
                     (other_labels is None or set(have) - set(want) <= other_labels):
                 total += float(m.group(2))
     return total
+
+
+@contextmanager
+def served(run_dir: Path, ready_timeout_s: float = 180, **options):
+    """A server of ``ServeOptions.of(**options)`` in ``run_dir`` (its log there), started
+    and stopped on exit, also when a test fails."""
+    from tandem.client.serve.options import ServeOptions
+    from tandem.client.serve.triton_server import TritonServer
+
+    srv = TritonServer(ServeOptions.of(**options), run_dir=run_dir, log_file=run_dir / "tritonserver.log",
+                       ready_timeout_s=ready_timeout_s, exit_timeout_s=30)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()

@@ -19,8 +19,9 @@ from tandem.backends.disagg import PrefillService, context_nbytes, decode_pool_s
 from tandem.backends.disagg.kv_views import shared_page_pool
 from tandem.backends.engine import EngineConfig
 from tandem.backends.kv_cache.page_hash import page_keys, root_key
-from tandem.backends.speculative import SpeculativeConfig
 from tandem.rdma import KVReceiver, SenderConfig, SharedKVPool
+
+from ..kv_reference import spec_for, token_kv
 
 PAGE = 4
 _names = itertools.count()
@@ -33,21 +34,6 @@ def tokens(n, seed):
 
 BASE = tokens(22, 1)      # prefills 21 tokens: 6 pages, 5 full ones short of the last token
 OTHER = tokens(13, 2)
-
-
-def token_kv(pool, pages, n):
-    """[layers, 2, n, heads, head_dim]: the KV of a sequence's first n tokens."""
-    kv = pool.kv[:, list(pages)]
-    kv = kv.permute(0, 2, 1, 4, 3, 5) if pool.kv_layout == "HND" else kv.permute(0, 2, 1, 3, 4, 5)
-    return kv.reshape(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, :n]
-
-
-def spec_for(method, target_dir, random_mtp_dir):
-    if method == "draft_target":
-        return SpeculativeConfig("draft_target", 3, draft_model=str(target_dir))
-    if method == "mtp":
-        return SpeculativeConfig("mtp", 3, mtp_head=str(random_mtp_dir))
-    return None
 
 
 class Side:

@@ -10,7 +10,8 @@ import torch
 
 from tandem.backends.engine import EngineConfig
 from tandem.backends.engine.prefill_engine import PrefillEngine, PrefillHooks
-from tandem.backends.speculative import SpeculativeConfig
+
+from ..kv_reference import spec_for, token_kv
 
 PAGE = 4
 
@@ -23,21 +24,6 @@ def tokens(n, seed):
 BASE = tokens(22, 1)      # prefills 21 tokens: 5 full pages short of its last one
 OTHER = tokens(13, 2)
 assert OTHER[0] != BASE[8]
-
-
-def token_kv(pool, pages, n):
-    """[layers, 2, n, heads, head_dim]: the KV of a sequence's first n tokens."""
-    kv = pool.kv[:, pages]
-    kv = kv.permute(0, 2, 1, 4, 3, 5) if pool.kv_layout == "HND" else kv.permute(0, 2, 1, 3, 4, 5)
-    return kv.reshape(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, :n]
-
-
-def spec_for(method, target_dir, random_mtp_dir):
-    if method == "draft_target":
-        return SpeculativeConfig("draft_target", 3, draft_model=str(target_dir))
-    if method == "mtp":
-        return SpeculativeConfig("mtp", 3, mtp_head=str(random_mtp_dir))
-    return None
 
 
 def make(target_dir, spec=None, caching=True, kv_layout="HND", num_pages=64, hooks=None,
