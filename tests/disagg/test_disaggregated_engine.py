@@ -354,3 +354,42 @@ def test_prefix_caching_across_prefill_and_decode_keeps_greedy_output(
     end = pool.stats()
     assert (end.free, end.reserved, end.in_use, end.slots_active) == (start.free, 0, 0, 0)
     assert end.cached > 0
+
+
+def test_eviction_under_pressure_in_the_shared_pool_keeps_greedy_output(demo_checkpoint,
+                                                                        make_decode_pool):
+    """Decode prefilling for itself on a small shared pool with its cache: prompts that
+    share prefixes, run four at a time, evict each other's cached pages; every greedy
+    output equals a colocated engine's with caching off, and every page comes back."""
+    model_dir = str(demo_checkpoint)
+    prompts = [PROMPTS[i % len(PROMPTS)] + TURN * (i % 3) for i in range(12)]
+    plain = LLM(model_dir, page_size=4, enable_prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    del plain
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=48, prefix_caching=True)
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_seqs=4,
+                           max_num_batched_tokens=32)
+    engine.start()
+    try:
+        tokens = {i: [] for i in range(len(prompts))}
+        finished = threading.Semaphore(0)
+
+        def collect(i):
+            def on_output(out):
+                tokens[i].extend(out.new_token_ids)
+                if out.finished:
+                    finished.release()
+            return on_output
+        for rnd in range(2):
+            for i, p in enumerate(prompts):
+                tokens[i] = []
+                engine.submit(p, GREEDY, collect(i))
+            for _ in prompts:
+                assert finished.acquire(timeout=120)
+            assert [tokens[i] for i in range(len(prompts))] == expected, f"round {rnd}"
+        stats = engine.prefix_cache
+        assert stats.hit_tokens > 0 and stats.evictions > 0
+    finally:
+        engine.shutdown()
+    end = pool.stats()
+    assert (end.free, end.reserved, end.in_use) == (48, 0, 0)
