@@ -1,7 +1,7 @@
 """The proposer protocol: what the engine asks of a speculative method's drafter.
 
 A proposer keeps, per sequence, whatever lets it draft from where the target is
-(the draft model's and MTP head's ``seq.draft``: cached length and the logits their
+(the draft model's and MTP head's ``seq.draft``: cached length and the hidden row their
 last run left for the next step's first draft token). The engine calls, in order:
 
 - ``ready(seq)`` — can it draft for this sequence now? A batch speculates only when

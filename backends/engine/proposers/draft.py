@@ -16,7 +16,8 @@ from .vocab import DraftVocab
 
 class DraftModelProposer:
     """Draft-target: the draft has seen every token of the sequence (its KV is one
-    token ahead of the target's) and carries the logits for the next one."""
+    token ahead of the target's) and carries its last hidden row, whose logits give the
+    next draft (computed only when it drafts: ``propose``)."""
     name = "draft_target"
 
     def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
@@ -28,7 +29,7 @@ class DraftModelProposer:
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
-        return seq.draft.computed == seq.num_tokens and seq.draft.logits is not None
+        return seq.draft.computed == seq.num_tokens and seq.draft.hidden is not None
 
     in_sync = ready
 
@@ -48,10 +49,9 @@ class DraftModelProposer:
                              [s.pages for s, _, _ in todo])
         hidden = self._forward(batch, max(batch.qo_lens) - 1)
         last = list(itertools.accumulate(batch.qo_lens))
-        logits = self.vocab.logits(hidden[[n - 1 for n in last]])
         for i, (s, _, b) in enumerate(todo):
             s.draft.computed = b
-            s.draft.logits = logits[i] if b == s.num_tokens else None
+            s.draft.hidden = hidden[last[i] - 1] if b == s.num_tokens else None
 
     def _forward(self, batch: ForwardBatch, extra: int) -> torch.Tensor:
         """The draft's hidden rows of ``batch`` (up to ``extra + 1`` tokens per sequence):
@@ -66,7 +66,8 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
         drafts: list[torch.Tensor] = []
-        token = self.vocab.greedy(torch.stack([s.draft.logits for s in seqs]), drafts, process)
+        token = self.vocab.greedy(self.vocab.logits(torch.stack([s.draft.hidden for s in seqs])),
+                                  drafts, process)
         drafts.append(token)
         for _ in range(k - 1):
             batch = ForwardBatch([[t] for t in token.tolist()], [s.draft.computed for s in seqs],
@@ -82,5 +83,5 @@ class DraftModelProposer:
         # the draft's KV stays valid only as far as its tokens were accepted
         for s in seqs:
             s.draft.computed = min(s.draft.computed, s.num_computed)
-            s.draft.logits = None
+            s.draft.hidden = None
         self.catch_up(seqs)

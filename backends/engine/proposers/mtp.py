@@ -28,7 +28,7 @@ class MTPProposer:
     @staticmethod
     def ready(seq: Sequence) -> bool:
         return seq.draft.computed == seq.num_computed == seq.num_tokens - 1 \
-            and seq.draft.logits is not None
+            and seq.draft.hidden is not None
 
     in_sync = ready
 
@@ -60,19 +60,18 @@ class MTPProposer:
         inputs, g = self._run([t[0] for t in todo], [s.token_ids(a + 1, b + 1) for s, a, b, _ in todo],
                               [a for _, a, _, _ in todo], torch.cat([t[3] for t in todo]))
         last = inputs.last_rows
-        logits = self.vocab.logits(g[last])
         for i, (s, _, b, _) in enumerate(todo):
             s.draft.computed = b
-            done = b == s.num_tokens - 1
-            s.draft.logits = logits[i] if done else None
-            s.draft.hidden = g[last[i]] if done else None
+            # the first draft's logits come from this row when the head drafts (propose):
+            # steps that decode plainly or draft by ngram never pay for the lm_head
+            s.draft.hidden = g[last[i]] if b == s.num_tokens - 1 else None
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
         drafts: list[torch.Tensor] = []
-        token = self.vocab.greedy(torch.stack([s.draft.logits for s in seqs]), drafts, process)
         g = torch.stack([s.draft.hidden for s in seqs])
+        token = self.vocab.greedy(self.vocab.logits(g), drafts, process)
         drafts.append(token)
         for _ in range(k - 1):
             # beyond the verified tokens there is no target hidden state: feed the head's own
@@ -93,7 +92,6 @@ class MTPProposer:
         inputs, g = self._run(seqs, tokens.clamp_min(0).tolist(), starts,
                               target_hidden.reshape(b * width, -1))
         last = torch.tensor([i * width + s.num_computed - 1 - starts[i] for i, s in enumerate(seqs)])
-        logits = self.vocab.logits(g[last])
         for i, s in enumerate(seqs):
             s.draft.computed = s.num_computed
-            s.draft.logits, s.draft.hidden = logits[i], g[last[i]]
+            s.draft.hidden = g[last[i]]
