@@ -254,8 +254,10 @@ class LLMEngine:
             if pool.num_pages != num_pages:
                 raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
                                  f"{num_pages}: they share page ids")
+        # adaptive: the MTP head runs only on steps it drafts in (plain and ngram steps
+        # keep the target's rows for its next catch-up)
         proposer = make_proposer(model, self.model, pool,
-                                 draft_vocab_ids(spec, self.model.config.vocab_size))
+                                 draft_vocab_ids(spec, self.model.config.vocab_size), spec.adaptive)
         if not spec.auto:
             return proposer
         # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
@@ -657,6 +659,7 @@ class LLMEngine:
                 error: str | None = None) -> RequestOutput:
         if self.controller is not None:
             self.controller.forget(seq.request_id)
+            self.proposer.forget(seq.request_id)
         if self.prefix is not None:
             if reason in ("stop", "length"):   # its last step's pages, for the next turn
                 self.prefix.publish(seq, self._draft_verified.get(seq.request_id))

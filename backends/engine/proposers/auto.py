@@ -39,6 +39,10 @@ class AutoProposer:
     def drafter(self, method: str) -> Proposer:
         return self.ngram if method == self.ngram.name else self.model
 
+    def forget(self, request_id: str) -> None:
+        self.ngram.forget(request_id)
+        self.model.forget(request_id)
+
     @property
     def fast_decode(self):
         return getattr(self.model, "fast_decode", None)

@@ -15,7 +15,8 @@ With adaptive speculation (or ``--spec auto``) the engine asks instead, per step
 ``in_sync(seq)`` (its state covers the sequence; ngram: always), ``method_for(seq)``
 (the method that would draft for it now, None: none can) and ``drafter(method)`` (the
 proposer that drafts by it); a sequence drafting nothing in a speculative step is
-verified with its one scheduled token, and ``after_verify`` still sees it.
+verified with its one scheduled token, and ``after_verify`` still sees it. ``forget(id)``
+when a request ends.
 """
 from __future__ import annotations
 

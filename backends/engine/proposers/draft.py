@@ -39,6 +39,9 @@ class DraftModelProposer:
     def drafter(self, method: str) -> "DraftModelProposer":
         return self
 
+    def forget(self, request_id: str) -> None:
+        """Nothing kept per request outside ``seq.draft``."""
+
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Feed the draft the tokens it has not seen, up to one past the target's cache."""
         todo = [(s, s.draft.computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]

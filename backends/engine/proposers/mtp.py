@@ -13,30 +13,82 @@ from .base import DraftProcess, StepHidden
 from .vocab import DraftVocab
 
 
+# a lazy head catches up at the latest when this many rows wait (bounds the memory they
+# hold and how late the prefix cache sees its KV complete)
+MAX_LAG = 16
+
+
 class MTPProposer:
     """MTP: head row i reads (t_{i+1}, h_i) and predicts t_{i+2}; its cache covers the
-    rows whose target hidden state exists, one short of the sequence."""
+    rows whose target hidden state exists, one short of the sequence.
+
+    ``lazy`` (adaptive speculation): after a step it did not draft in, the head keeps the
+    target's hidden rows instead of running on them, and catches up on all of them at
+    once when it drafts next (or :data:`MAX_LAG` rows wait): steps that decode plainly or
+    draft by ngram cost no head run. Its KV covers every committed row before it drafts."""
     name = "mtp"
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, lazy: bool = False):
         self.head, self.target = head, target
         self.runner = ModelRunner(head, pool)
         # the head drafts through the target's final norm and lm_head
         self.vocab = DraftVocab(target.norm, target.lm_head, vocab_ids)
+        self.lazy = lazy
+        # per request id: (first row, the target's hidden rows from it) not yet run
+        self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
         return seq.draft.computed == seq.num_computed == seq.num_tokens - 1 \
             and seq.draft.hidden is not None
 
-    in_sync = ready
+    def in_sync(self, seq: Sequence) -> bool:
+        """It can draft for ``seq`` now, after catching up on the rows it keeps."""
+        if seq.num_computed != seq.num_tokens - 1:
+            return False
+        held = self._pending.get(seq.request_id)
+        if held is None:
+            return self.ready(seq)
+        first, rows = held
+        return first == seq.draft.computed and first + sum(len(r) for r in rows) == seq.num_computed
 
     def method_for(self, seq: Sequence) -> str:
         return self.name
 
     def drafter(self, method: str) -> "MTPProposer":
         return self
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def _keep(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """Keep the target's hidden rows ``start..start+len(rows)`` (of which the head
+        lacks those from its cached length on) for a later catch-up."""
+        held = self._pending.get(seq.request_id)
+        if held is not None and held[0] != seq.draft.computed:
+            held = None       # rows of an earlier life of the sequence (preempted)
+        end = seq.draft.computed if held is None else held[0] + sum(len(r) for r in held[1])
+        if end < start:
+            raise RuntimeError(f"{seq.request_id}: MTP head at row {end} fell behind the target's "
+                               f"hidden states (from {start})")
+        new = rows[end - start:seq.num_computed - start]
+        if held is None:
+            held = (end, [])
+        held[1].append(new)
+        self._pending[seq.request_id] = held
+        seq.draft.hidden = None     # not ready until it catches up
+
+    def flush(self, seqs: list[Sequence], max_lag: int = 0) -> None:
+        """Run the head on the rows kept for ``seqs`` (those with more than ``max_lag``)."""
+        todo = {}
+        for s in seqs:
+            held = self._pending.get(s.request_id)
+            if held is not None and sum(len(r) for r in held[1]) > max_lag:
+                del self._pending[s.request_id]
+                todo[s.request_id] = (held[0], torch.cat(held[1]))
+        if todo:
+            self._catch_up([s for s in seqs if s.request_id in todo], todo)
 
     @torch.inference_mode()
     def _run(self, seqs, next_ids: list[list[int]], starts: list[int], hidden: torch.Tensor):
@@ -45,6 +97,15 @@ class MTPProposer:
         return inputs, g
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+        if not self.lazy:
+            return self._catch_up(seqs, step_hidden)
+        for s in seqs:
+            if s.num_computed > s.draft.computed:
+                start, rows = step_hidden[s.request_id]
+                self._keep(s, start, rows)
+        self.flush(seqs, MAX_LAG)
+
+    def _catch_up(self, seqs: list[Sequence], step_hidden: StepHidden) -> None:
         todo = []
         for s in seqs:
             a, b = s.draft.computed, s.num_computed
@@ -69,6 +130,7 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
+        self.flush(seqs)
         drafts: list[torch.Tensor] = []
         g = torch.stack([s.draft.hidden for s in seqs])
         token = self.vocab.greedy(self.vocab.logits(g), drafts, process)
@@ -87,7 +149,14 @@ class MTPProposer:
         """Re-run the head on all k+1 verified rows with the target's hidden states; rows
         past the accepted tokens are wasted work, cheaper than waiting to know where they end.
         tokens [B, k+1] (verified, -1 padded), target_hidden [B, k+1, H], starts: the
-        target's cached length before verification."""
+        target's cached length before verification. Lazy: the verified rows are kept
+        for the next catch-up instead (rows past a draft's start are rewritten then)."""
+        if self.lazy:
+            for i, s in enumerate(seqs):
+                s.draft.computed = min(s.draft.computed, starts[i])
+                self._keep(s, starts[i], target_hidden[i])
+            self.flush(seqs, MAX_LAG)
+            return
         b, width = tokens.shape
         inputs, g = self._run(seqs, tokens.clamp_min(0).tolist(), starts,
                               target_hidden.reshape(b * width, -1))

@@ -37,6 +37,39 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, max_n: int = 3, min_n:
     return None
 
 
+class NgramIndex:
+    """One sequence's n-grams (``min_n..max_n`` tokens) that have a token after them, each
+    with the end of its latest occurrence, kept up to date as tokens are appended: a
+    proposal costs a few dict lookups instead of a scan of the whole sequence, with
+    :func:`propose_ngram`'s answers.
+
+    >>> index = NgramIndex(max_n=3)
+    >>> index.propose([1, 2, 3, 4, 9, 1, 2, 3].__getitem__, 8, k=3)
+    [4, 9, 1]
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, max(min_n, 1)
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.indexed = 0     # n-grams ending before this position are in ``latest``
+
+    def propose(self, tokens, length: int, k: int) -> list[int] | None:
+        """``tokens(slice)``: the sequence's tokens in a slice of its first ``length``."""
+        if length - 1 > self.indexed:   # index the n-grams ending at indexed..length-2
+            first = max(0, self.indexed - self.max_n + 1)
+            new = tokens(slice(first, length - 1))
+            for end in range(self.indexed, length - 1):
+                for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                    self.latest[tuple(new[end - n + 1 - first:end + 1 - first])] = end
+            self.indexed = length - 1
+        tail = tokens(slice(max(0, length - self.max_n), length))
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = self.latest.get(tuple(tail[len(tail) - n:]))
+            if end is not None:
+                return list(tokens(slice(end + 1, min(end + 1 + k, length))))
+        return None
+
+
 class NgramProposer:
     """The ``ngram`` method's :class:`~.base.Proposer`, without a model or KV. A sequence
     is ready when its tokens hold a match; a batch speculates only when all of its
@@ -47,9 +80,15 @@ class NgramProposer:
     def __init__(self, k: int, max_n: int, min_n: int):
         self.k, self.max_n, self.min_n = k, max_n, min_n
         self._found: dict[str, list[int]] = {}   # this step's proposals, by request id
+        # per request id: its sequence and its n-gram index (a new sequence under an old
+        # id gets a new index)
+        self._index: dict[str, tuple[Sequence, NgramIndex]] = {}
 
     def ready(self, seq: Sequence) -> bool:
-        found = propose_ngram(seq.token_ids(0, seq.num_tokens), self.k, self.max_n, self.min_n)
+        held = self._index.get(seq.request_id)
+        if held is None or held[0] is not seq:
+            held = self._index[seq.request_id] = (seq, NgramIndex(self.max_n, self.min_n))
+        found = held[1].propose(lambda s: seq.token_ids(s.start, s.stop), seq.num_tokens, self.k)
         if not found:
             self._found.pop(seq.request_id, None)
             return False
@@ -66,6 +105,11 @@ class NgramProposer:
 
     def drafter(self, method: str) -> "NgramProposer":
         return self
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its index."""
+        self._index.pop(request_id, None)
+        self._found.pop(request_id, None)
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Nothing to catch up: no model has to see the tokens."""

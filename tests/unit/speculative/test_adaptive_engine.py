@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.engine.proposers import AutoProposer, MTPProposer
@@ -165,3 +166,35 @@ def test_sampled_requests_through_every_k_reproduce_with_their_seed(target_dir, 
         script(llm.engine)
         runs.append([o.token_ids for o in llm.generate(all_prompts(), params)])
     assert runs[0] == runs[1] and all(len(t) == 30 for t in runs[0])
+
+
+def test_a_lazy_mtp_head_catches_up_to_the_kv_an_eager_one_writes(target_dir, random_mtp_dir):
+    """Adaptive speculation runs the MTP head only when it drafts: through plain steps it
+    keeps the target's rows (at most MAX_LAG) and catches up on them at once. Its KV
+    then equals that of a head that ran after every step."""
+    from tandem.backends.engine.proposers.mtp import MAX_LAG
+    engines = []
+    for lazy in (True, False):
+        llm = make(target_dir, "mtp", random_mtp_dir)
+        e = llm.engine
+        e.proposer.lazy = lazy
+        script(e, [0])                                  # plain steps only
+        e.add_request(prompts(384)[2], SamplingParams(max_tokens=100, temperature=0.0))
+        for _ in range(40):
+            e.step()
+        engines.append(e)
+    lazy, eager = engines
+    (seq,), (ref,) = lazy.seqs.values(), eager.seqs.values()
+    assert seq.output_ids == ref.output_ids
+    assert 0 < seq.num_computed - seq.draft.computed <= MAX_LAG       # it kept rows, within the bound
+    assert lazy.proposer.in_sync(seq) and not lazy.proposer.ready(seq)
+    lazy.proposer.flush([seq])
+    assert lazy.proposer.ready(seq) and seq.draft.computed == ref.draft.computed == ref.num_computed
+    rows = seq.draft.computed
+    kv, kv_ref = lazy.proposer.runner.pool.kv, eager.proposer.runner.pool.kv
+    page = lazy.config.page_size
+    for slot in range(rows):
+        a = kv[:, seq.pages[slot // page], :, :, slot % page]
+        b = kv_ref[:, ref.pages[slot // page], :, :, slot % page]
+        assert torch.allclose(a, b, atol=1e-5), slot
+    torch.testing.assert_close(seq.draft.hidden, ref.draft.hidden, atol=1e-5, rtol=1e-5)
