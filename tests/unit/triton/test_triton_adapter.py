@@ -124,6 +124,8 @@ def texts(sender):
 
 
 def the_error(sender):
+    # replies leave on the model's sender thread (reply_pump): wait for the final one
+    wait_for(lambda: sender.final, timeout=10.0)
     (response, flags), = sender.sent
     assert flags & FINAL
     return response.error
