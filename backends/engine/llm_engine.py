@@ -254,8 +254,8 @@ class LLMEngine:
             if pool.num_pages != num_pages:
                 raise ValueError(f"proposer_kv_pool has {pool.num_pages} pages, the target's "
                                  f"{num_pages}: they share page ids")
-        # adaptive: the MTP head runs only on steps it drafts in (plain and ngram steps
-        # keep the target's rows for its next catch-up)
+        # adaptive: the proposer runs only on steps it drafts in (after plain and ngram
+        # steps it catches up when it drafts next)
         proposer = make_proposer(model, self.model, pool,
                                  draft_vocab_ids(spec, self.model.config.vocab_size), spec.adaptive)
         if not spec.auto:

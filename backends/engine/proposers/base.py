@@ -26,6 +26,10 @@ import torch
 
 from ..sequence import Sequence
 
+# a lazy proposer (adaptive speculation) catches up at the latest when this many tokens
+# wait: it bounds the rows kept and how late the prefix cache sees the proposer's KV
+MAX_LAG = 16
+
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]
 # (draft logits [B, V], the drafts so far [B, j] or None) -> None, in place

@@ -10,28 +10,35 @@ from ...kv_cache import KVPagePool
 from ...models import LlamaForCausalLM
 from ..model_runner import ForwardBatch, ModelRunner
 from ..sequence import Sequence
-from .base import DraftProcess, StepHidden
+from .base import MAX_LAG, DraftProcess, StepHidden
 from .vocab import DraftVocab
 
 
 class DraftModelProposer:
     """Draft-target: the draft has seen every token of the sequence (its KV is one
     token ahead of the target's) and carries its last hidden row, whose logits give the
-    next draft (computed only when it drafts: ``propose``)."""
+    next draft (computed only when it drafts: ``propose``).
+
+    ``lazy`` (adaptive speculation): after a step it did not draft in, the draft does not
+    run; it catches up on every token it missed at once when it drafts next (or
+    :data:`~.base.MAX_LAG` tokens wait)."""
     name = "draft_target"
 
     def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, lazy: bool = False):
         self.runner = ModelRunner(draft, pool)
         self.vocab = DraftVocab(draft.norm, draft.lm_head, vocab_ids)
         # graphed (GPU) or compiled (CPU) decode steps, when the engine has them
         self.fast_decode = None
+        self.lazy = lazy
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
         return seq.draft.computed == seq.num_tokens and seq.draft.hidden is not None
 
-    in_sync = ready
+    def in_sync(self, seq: Sequence) -> bool:
+        """It can draft for ``seq`` now (lazy: after catching up on the tokens it missed)."""
+        return seq.num_computed == seq.num_tokens - 1 if self.lazy else self.ready(seq)
 
     def method_for(self, seq: Sequence) -> str:
         return self.name
@@ -43,7 +50,17 @@ class DraftModelProposer:
         """Nothing kept per request outside ``seq.draft``."""
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
-        """Feed the draft the tokens it has not seen, up to one past the target's cache."""
+        """Feed the draft the tokens it has not seen, up to one past the target's cache
+        (lazy: only where more than :data:`~.base.MAX_LAG` wait)."""
+        if self.lazy:
+            seqs = [s for s in seqs if s.num_tokens - s.draft.computed > MAX_LAG]
+        self._catch_up(seqs)
+
+    def flush(self, seqs: list[Sequence]) -> None:
+        """Catch up on every token the draft missed (lazy), for ``seqs``."""
+        self._catch_up([s for s in seqs if not self.ready(s)])
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
         todo = [(s, s.draft.computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]
         todo = [(s, a, b) for s, a, b in todo if b > a]
         if not todo:
@@ -68,6 +85,7 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:
+        self.flush(seqs)
         drafts: list[torch.Tensor] = []
         token = self.vocab.greedy(self.vocab.logits(torch.stack([s.draft.hidden for s in seqs])),
                                   drafts, process)
@@ -87,4 +105,4 @@ class DraftModelProposer:
         for s in seqs:
             s.draft.computed = min(s.draft.computed, s.num_computed)
             s.draft.hidden = None
-        self.catch_up(seqs)
+        self.catch_up(seqs)   # lazy: only where many tokens wait

@@ -29,7 +29,7 @@ def load_proposer_model(spec: SpeculativeConfig, target: LlamaForCausalLM, dtype
 def make_proposer(model: LlamaForCausalLM | MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
                   vocab_ids: torch.Tensor | None = None, lazy: bool = False) -> Proposer:
     """``vocab_ids``: score only these tokens when drafting (see :class:`~.vocab.DraftVocab`);
-    ``lazy``: an MTP head catches up only when it drafts (see :class:`~.mtp.MTPProposer`)."""
+    ``lazy``: the proposer catches up only when it drafts (see :class:`~.mtp.MTPProposer`)."""
     if isinstance(model, MTPHead):
         return MTPProposer(model, target, pool, vocab_ids, lazy)
-    return DraftModelProposer(model, pool, vocab_ids)
+    return DraftModelProposer(model, pool, vocab_ids, lazy)

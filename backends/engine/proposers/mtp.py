@@ -9,13 +9,8 @@ from ...models import LlamaForCausalLM
 from ...models.mtp import MTPHead
 from ..model_runner import ForwardBatch, ModelRunner
 from ..sequence import Sequence
-from .base import DraftProcess, StepHidden
+from .base import MAX_LAG, DraftProcess, StepHidden
 from .vocab import DraftVocab
-
-
-# a lazy head catches up at the latest when this many rows wait (bounds the memory they
-# hold and how late the prefix cache sees its KV complete)
-MAX_LAG = 16
 
 
 class MTPProposer:
@@ -24,7 +19,7 @@ class MTPProposer:
 
     ``lazy`` (adaptive speculation): after a step it did not draft in, the head keeps the
     target's hidden rows instead of running on them, and catches up on all of them at
-    once when it drafts next (or :data:`MAX_LAG` rows wait): steps that decode plainly or
+    once when it drafts next (or :data:`~.base.MAX_LAG` rows wait): steps that decode plainly or
     draft by ngram cost no head run. Its KV covers every committed row before it drafts."""
     name = "mtp"
 
