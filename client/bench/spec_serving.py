@@ -1,7 +1,9 @@
 """Speculative decoding through the server: per-request decode tokens/s of the
-disaggregated ``tandem`` ensemble with no speculation, draft-target and MTP at
-k = 1..5, at concurrency 1 and 8 (closed loop), with the acceptance the decode model
-reports on Triton's metrics port. One server per setting, the same cores for all."""
+disaggregated ``tandem`` ensemble with no speculation, draft-target, MTP and ngram at
+k = 1..5 (pinned: ``--spec-adaptive off``) and ``--spec auto`` (adaptive k up to k, as
+``make serve`` runs it), at concurrency 1 and 8 (closed loop), with the acceptance the
+decode model reports on Triton's metrics port. One server per setting, the same cores
+for all."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.backends.speculative.config import METHODS as SPEC_METHODS, NO_SPECULATION
+from tandem.backends.speculative.config import AUTO, METHODS as SPEC_METHODS, NO_SPECULATION
 
 from tandem.client.bench.args import (add_dtype, ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
                          positive_ints)
@@ -25,7 +27,7 @@ DEFAULT_OUT = Path("docs/bench/spec_serving.json")
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
            "import os\n\n\ndef walk(path):\n    ", "    def __repr__(self):\n        return ",
            "def parse_args(argv=None):\n    parser = argparse.", "with open(path) as f:\n    for line in f:\n"]
-METHODS = (NO_SPECULATION, *SPEC_METHODS)   # tandem serve --spec's
+METHODS = (NO_SPECULATION, *SPEC_METHODS, AUTO)   # tandem serve --spec's
 
 
 def methods(text: str):
@@ -63,8 +65,10 @@ def _scrape(url: str, name: str, model: str = "decode") -> float | None:
 
 def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
     from tandem.client.serve.options import ServeOptions
+    # a fixed method at its k; auto as make serve runs it (adaptive k up to k)
     options = ServeOptions.of(model_dir=str(args.model), dtype=args.dtype, torch_threads=args.threads,
-                           spec_method=method, num_speculative_tokens=k)
+                              spec_method=method, num_speculative_tokens=k,
+                              spec_adaptive="on" if method == AUTO else "off")
     row = {"method": method, "k": k if method != "none" else 0}
     name = f"{method}-{k}-{rep}"
     with ExitStack() as stack:   # stops the server, also when its start is interrupted
