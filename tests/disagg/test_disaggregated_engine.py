@@ -393,3 +393,34 @@ def test_eviction_under_pressure_in_the_shared_pool_keeps_greedy_output(demo_che
         engine.shutdown()
     end = pool.stats()
     assert (end.free, end.reserved, end.in_use) == (48, 0, 0)
+
+
+@pytest.fixture(scope="module", params=("llama_gqa_untied", "llama3_rope_tied", "qwen2", "qwen3"))
+def family(request, tmp_path_factory):
+    from ..unit.tiny_checkpoints import make_checkpoint
+    return str(make_checkpoint(request.param, tmp_path_factory.mktemp("families")))
+
+
+def test_prefix_caching_across_prefill_and_decode_for_each_family(family, make_decode_pool,
+                                                                  rx_peer, prefill_peer):
+    """Every architecture (GQA untied, Llama-3 RoPE tied, Qwen2's biases, Qwen3's QK
+    norms): a conversation and its next turn through a prefill server into decode's
+    cache give the greedy tokens of a colocated engine with caching off."""
+    g = torch.Generator().manual_seed(5)
+    convs = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (23, 30)]
+    turns = [c + torch.randint(3, 380, (9,), generator=g).tolist() for c in convs]
+    plain = LLM(family, dtype="float32", page_size=4, enable_prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate(convs + turns, GREEDY)]
+    del plain
+    pool = make_decode_pool(family, page_size=4, num_pages=64, prefix_caching=True)
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", family, page_size=4, max_num_batched_tokens=16, num_pages=48)
+    engine = decode_engine(pool, family, dtype="float32", max_num_batched_tokens=64)
+    engine.start()
+    try:
+        tokens, shared = _cached_remote_prefills(engine, pool, convs, rx_peer, prefill_peer, family, 0)
+        assert tokens == expected[:2] and shared == [0, 0]
+        tokens, shared = _cached_remote_prefills(engine, pool, turns, rx_peer, prefill_peer, family, 0)
+        assert tokens == expected[2:] and all(s >= 5 for s in shared)
+    finally:
+        engine.shutdown()
