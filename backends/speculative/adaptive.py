@@ -34,6 +34,10 @@ COLLAPSE = 0.15           # first-position acceptance below this: the sequence b
 MIN_ROUNDS = 3            # rounds a sequence drafts before it can be judged collapsed
 BACKOFF_MIN, BACKOFF_MAX = 8, 256   # steps without speculating, doubled per collapse
 EXPLORE_EVERY = 64        # every n-th choice at a bucket measures its least fresh k
+# speculation must beat a plain step's expected tokens per ms by this factor: the costs and
+# acceptances are noisy averages, and a sequence that races ahead of its batch leaves
+# later steps smaller (no cheaper here), so a marginal estimate is not worth the risk
+SPECULATE_MARGIN = 1.1
 
 REASONS = ("fixed", "speculate", "plain_faster", "no_draft", "backoff", "explore")
 
@@ -55,15 +59,17 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 @dataclass(slots=True, frozen=True)
 class Choice:
     """One step's speculation: k drafts for every sequence that can draft (its entry
-    of ``ks``; 0 for the others), and why."""
+    of ``ks``; 0 for the others), why, and the expected tokens per ms."""
     k: int
     ks: tuple[int, ...]
     reason: str
+    tokens_per_ms: float = field(default=0.0, repr=False, compare=False)
 
 
 def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | None],
-             max_k: int) -> Choice:
-    """The k in 0..max_k with the most expected tokens per ms for the batch.
+             max_k: int, margin: float = 1.0) -> Choice:
+    """The k in 0..max_k with the most expected tokens per ms for the batch, a k > 0
+    only where it beats the plain step by ``margin``.
 
     ``step_ms[k]``: what a step of this batch costs with k drafts per drafting sequence
     (0: a plain decode step); ``acceptances[i]``: sequence i's per-position acceptance,
@@ -72,18 +78,22 @@ def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | 
 
     >>> choose_k({0: 10.0, 1: 15.0, 2: 18.0}, [[0.9, 0.9], None], 2)
     Choice(k=2, ks=(2, 0), reason='speculate')
+    >>> choose_k({0: 10.0, 1: 15.0, 2: 18.0}, [[0.9, 0.9], None], 2, margin=1.1).reason
+    'plain_faster'
     """
+    plain = len(acceptances) / step_ms[0]
     if all(a is None for a in acceptances):
-        return Choice(0, (0,) * len(acceptances), "no_draft")
-    best_k, best_rate = 0, len(acceptances) / step_ms[0]
+        return Choice(0, (0,) * len(acceptances), "no_draft", plain)
+    best_k, best_rate = 0, plain * margin
     for k in range(1, max_k + 1):
         tokens = sum(1.0 if a is None else expected_tokens(a, k) for a in acceptances)
         rate = tokens / step_ms[k]
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     if best_k == 0:
-        return Choice(0, (0,) * len(acceptances), "plain_faster")
-    return Choice(best_k, tuple(0 if a is None else best_k for a in acceptances), "speculate")
+        return Choice(0, (0,) * len(acceptances), "plain_faster", plain)
+    return Choice(best_k, tuple(0 if a is None else best_k for a in acceptances), "speculate",
+                  best_rate)
 
 
 class CostTable:
@@ -231,18 +241,29 @@ class SpecController:
                 state.tick()
         if all(a is None for a in acceptances):
             return Choice(0, (0,) * len(rids), "backoff" if backoff else "no_draft")
-        kind = "model" if any(m not in (None, "ngram") for m in methods) else "ngram"
         n = self.choices[bucket] = self.choices.get(bucket, 0) + 1
         if n % EXPLORE_EVERY == 0:     # the k whose cost here is least fresh (or unknown)
             k = min(range(self.max_k + 1),
                     key=lambda k: self.costs.seen.get(("step", bucket, k), -1))
             return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
-        ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
-        unknown = [k for k, v in ms.items() if v is None]
-        if unknown:     # nothing measured to estimate from: measure it
-            k = unknown[-1]
-            return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
-        return choose_k(ms, acceptances, self.max_k)
+        if self.costs.estimate(("step", bucket, 0)) is None:   # nothing measured: measure it
+            return Choice(self.max_k, tuple(0 if a is None else self.max_k for a in acceptances),
+                          "explore")
+        # every drafting sequence, or the ngram ones alone (a model proposer costs more to
+        # draft with and may not pay where prompt lookup does): the better of the two
+        ngram = [a if m == "ngram" else None for a, m in zip(acceptances, methods)]
+        options = []
+        if any(a is not None and m != "ngram" for a, m in zip(acceptances, methods)):
+            options.append(("model", acceptances))
+        if any(a is not None for a in ngram):
+            options.append(("ngram", ngram))
+        best = None
+        for kind, acc in options:
+            ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
+            c = choose_k(ms, acc, self.max_k, SPECULATE_MARGIN)
+            if best is None or c.tokens_per_ms > best.tokens_per_ms * (1 + 1e-9):
+                best = c
+        return best
 
     def observe_cost(self, key: tuple, ms: float) -> None:
         self.costs.observe(key, ms)

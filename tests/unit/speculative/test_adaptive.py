@@ -165,3 +165,20 @@ def test_the_proposers_cost_counts():
     ngram = controller(propose=6.0).plan(1, ["a"], ["ngram"])   # ngram has no model cost seeded
     assert ngram.k == cheap.k
     assert choose_k({k: PROFILE[k] for k in range(4)}, acc, 3).k == cheap.k
+
+
+def test_a_model_proposer_that_does_not_pay_sits_out_while_ngram_drafts():
+    """--spec auto's batch: the ngram sequences draft cheaply and are accepted; the MTP
+    head's drafting costs more than its acceptance buys. Only the ngram rows draft."""
+    c = controller(propose=4.0)                  # the model's drafting: 4 ms per token
+    for _ in range(10):
+        c.observe_accepted("lookup", "ngram", 3, 3)
+        c.observe_accepted("head", "mtp", 3, 0)
+    choice = c.plan(1, ["lookup", "head"], ["ngram", "mtp"])
+    assert choice.reason == "speculate" and choice.ks == (choice.k, 0) and choice.k > 0
+
+
+def test_a_marginal_gain_is_not_worth_speculating():
+    costs = {0: 10.0, 1: 10.0}
+    assert choose_k(costs, [[0.05]], 1).k == 1                       # 5% more tokens per ms
+    assert choose_k(costs, [[0.05]], 1, margin=adaptive.SPECULATE_MARGIN).k == 0
