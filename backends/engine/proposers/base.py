@@ -26,9 +26,10 @@ import torch
 
 from ..sequence import Sequence
 
-# a lazy proposer (adaptive speculation) catches up at the latest when this many tokens
-# wait: it bounds the rows kept and how late the prefix cache sees the proposer's KV
-MAX_LAG = 16
+# a lazy proposer (adaptive speculation) catches up on a prompt's chunks at once, and on
+# decoded tokens at the latest when this many wait: it bounds the rows kept and how late
+# the prefix cache sees the proposer's KV of generated text (4 pages of 16)
+MAX_LAG = 64
 
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]

@@ -51,9 +51,10 @@ class DraftModelProposer:
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         """Feed the draft the tokens it has not seen, up to one past the target's cache
-        (lazy: only where more than :data:`~.base.MAX_LAG` wait)."""
-        if self.lazy:
-            seqs = [s for s in seqs if s.num_tokens - s.draft.computed > MAX_LAG]
+        (lazy: after a prompt's chunk, or where more than :data:`~.base.MAX_LAG` wait)."""
+        if self.lazy:   # a prompt's chunk at once (its KV is wanted: prefix cache), else late
+            seqs = [s for s in seqs if s.num_tokens - s.draft.computed > MAX_LAG
+                    or (step_hidden is not None and len(step_hidden[s.request_id][1]) > 1)]
         self._catch_up(seqs)
 
     def flush(self, seqs: list[Sequence]) -> None:

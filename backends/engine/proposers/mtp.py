@@ -30,8 +30,8 @@ class MTPProposer:
         # the head drafts through the target's final norm and lm_head
         self.vocab = DraftVocab(target.norm, target.lm_head, vocab_ids)
         self.lazy = lazy
-        # per request id: (first row, the target's hidden rows from it) not yet run
-        self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # per request id: [first row, the target's hidden rows from it, their count] not yet run
+        self._pending: dict[str, list] = {}
 
     @staticmethod
     def ready(seq: Sequence) -> bool:
@@ -45,8 +45,8 @@ class MTPProposer:
         held = self._pending.get(seq.request_id)
         if held is None:
             return self.ready(seq)
-        first, rows = held
-        return first == seq.draft.computed and first + sum(len(r) for r in rows) == seq.num_computed
+        first, _, count = held
+        return first == seq.draft.computed and first + count == seq.num_computed
 
     def method_for(self, seq: Sequence) -> str:
         return self.name
@@ -63,15 +63,15 @@ class MTPProposer:
         held = self._pending.get(seq.request_id)
         if held is not None and held[0] != seq.draft.computed:
             held = None       # rows of an earlier life of the sequence (preempted)
-        end = seq.draft.computed if held is None else held[0] + sum(len(r) for r in held[1])
+        end = seq.draft.computed if held is None else held[0] + held[2]
         if end < start:
             raise RuntimeError(f"{seq.request_id}: MTP head at row {end} fell behind the target's "
                                f"hidden states (from {start})")
         new = rows[end - start:seq.num_computed - start]
         if held is None:
-            held = (end, [])
+            held = self._pending[seq.request_id] = [end, [], 0]
         held[1].append(new)
-        self._pending[seq.request_id] = held
+        held[2] += len(new)
         seq.draft.hidden = None     # not ready until it catches up
 
     def flush(self, seqs: list[Sequence], max_lag: int = 0) -> None:
@@ -79,7 +79,7 @@ class MTPProposer:
         todo = {}
         for s in seqs:
             held = self._pending.get(s.request_id)
-            if held is not None and sum(len(r) for r in held[1]) > max_lag:
+            if held is not None and held[2] > max_lag:
                 del self._pending[s.request_id]
                 todo[s.request_id] = (held[0], torch.cat(held[1]))
         if todo:
@@ -94,10 +94,14 @@ class MTPProposer:
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
         if not self.lazy:
             return self._catch_up(seqs, step_hidden)
+        chunks = []
         for s in seqs:
             if s.num_computed > s.draft.computed:
                 start, rows = step_hidden[s.request_id]
                 self._keep(s, start, rows)
+                if len(rows) > 1:        # a prompt's chunk: its KV is wanted (prefix cache)
+                    chunks.append(s)
+        self.flush(chunks)
         self.flush(seqs, MAX_LAG)
 
     def _catch_up(self, seqs: list[Sequence], step_hidden: StepHidden) -> None:
