@@ -1,0 +1,36 @@
+"""``tandem serve --spec auto`` and ``--spec-adaptive``: what make serve runs parses, the
+proposer it checks is the MTP head (else the draft given), the engine gets adaptive k."""
+from pathlib import Path
+
+import pytest
+
+from tandem.backends.triton.settings import EngineSettings
+from tandem.client.serve.options import ServeOptions
+
+from .test_serve_validation import accepted, draft, refused  # noqa: F401  (draft: a fixture)
+
+
+def test_make_serve_args_parse_with_the_demo_mtp_head():
+    args = accepted(["--spec", "auto"])
+    assert args.spec_method == "auto" and args.spec_adaptive == "on"
+
+
+def test_auto_checks_the_draft_it_is_given(draft, capsys):  # noqa: F811
+    assert accepted(["--spec", "auto", "--draft-model", str(draft)]).draft_model == str(draft)
+    assert "--draft-vocab-size 500" in refused(["--spec", "auto", "--draft-model", str(draft),
+                                                "--draft-vocab-size", "500"], capsys)
+
+
+def test_spec_adaptive_needs_a_spec(capsys):
+    assert refused(["--spec-adaptive", "off"], capsys).startswith(
+        "--spec-adaptive 'off': needs --spec draft_target, mtp, ngram or auto")
+
+
+@pytest.mark.parametrize("given, method, adaptive", [
+    ({}, "mtp", True), ({"spec_adaptive": "off"}, "mtp", False)])
+def test_the_engine_gets_the_mtp_head_and_adaptive_k(given, method, adaptive):
+    values = ServeOptions.of(spec_method="auto", enforce_eager=True, **given).template_values()
+    spec = EngineSettings.from_model_config(
+        {"parameters": {k: {"string_value": v} for k, v in values.items()}}).speculative()
+    assert (spec.method, spec.auto, spec.adaptive) == (method, True, adaptive)
+    assert Path(spec.mtp_head).name == "mtp" and spec.draft_model is None
