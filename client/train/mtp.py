@@ -58,7 +58,8 @@ def add_subcommands(sub) -> None:
     e = sub.add_parser("mtp-eval", help="top-1 agreement and acceptance of a draft and MTP heads, "
                                         "through the engine")
     e.add_argument("--target", required=True)
-    e.add_argument("--draft", default=None, help="draft model checkpoint")
+    e.add_argument("--draft", action="append", default=[], metavar="[NAME=]DIR",
+                   help="a draft model checkpoint (repeatable; NAME defaults to draft)")
     e.add_argument("--mtp", action="append", default=[], metavar="NAME=DIR",
                    help="an MTP head to evaluate (repeatable), e.g. mtp=checkpoints/demo/mtp")
     e.add_argument("--ks", default="1,2,3,4")
@@ -136,8 +137,11 @@ def run_mtp_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     setup_logging(None)
     proposers = {}
-    if args.draft:
-        proposers["draft"] = ("draft_target", args.draft)
+    for spec in args.draft:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "draft", spec
+        proposers[name] = ("draft_target", path)
     for spec in args.mtp:
         name, sep, path = spec.partition("=")
         if not sep:
