@@ -15,17 +15,23 @@ DATA=()
 # ~12-20 min: 6,144 prompts x 128 tokens through the engine
 nice -n 5 $TANDEM train distill-data --target "$T" "${DATA[@]}" --config configs/distill.json \
     --out .cache/train/distill --log $LOGS/distill_data.log
-# ~40 min: hidden states of the rows + 1,200 steps from the shipped head
+# ~40 min: hidden states of the rows + 1,200 steps from the shipped head (round 1)
 nice -n 5 $TANDEM train mtp --target "$T" "${DATA[@]}" --distill-data .cache/train/distill \
     --init-from checkpoints/demo/mtp --config configs/mtp_selfdistill.json \
     --work-dir .cache/train/mtp-selfdistill --out .cache/train/mtp-selfdistill/out \
     --log $LOGS/train_mtp_selfdistill.log --restart
-# ~50 min: the draft from the shipped one, target as teacher (data.distill_data in the config)
+# ~10 min: a second round at half the lr from the first round's head (what ships)
+nice -n 5 $TANDEM train mtp --target "$T" "${DATA[@]}" --distill-data .cache/train/distill \
+    --init-from .cache/train/mtp-selfdistill/out --config configs/mtp_selfdistill_2.json \
+    --work-dir .cache/train/mtp-selfdistill-2 --out .cache/train/mtp-selfdistill-2/out \
+    --log $LOGS/train_mtp_selfdistill_2.log --restart
+# ~30-50 min: the draft from the shipped one, target as teacher (data.distill_data in the config)
 nice -n 5 $TANDEM train lm --config configs/draft_selfdistill.json \
     --work-dir .cache/train/draft-selfdistill --out .cache/train/draft-selfdistill/out \
     --log $LOGS/train_draft_selfdistill.log
 nice -n 5 $TANDEM train mtp-eval --target "$T" \
     --draft draft=checkpoints/demo/draft --draft draft_selfdistill=.cache/train/draft-selfdistill/out \
     --mtp mtp=checkpoints/demo/mtp --mtp mtp_selfdistill=.cache/train/mtp-selfdistill/out \
+    --mtp mtp_selfdistill_2=.cache/train/mtp-selfdistill-2/out \
     --out .cache/train/selfdistill-acceptance.json
 echo PIPELINE DONE
