@@ -169,8 +169,10 @@ def test_sigterm_drains_the_streams_in_flight_then_exits_0(server):
     client.stop_stream()
     client.close()
     assert responses[-1].num_output_tokens == TOKENS and responses[-1].finish_reason == "length"
-    # every token came: the counts of the streamed responses run 1..TOKENS without a gap
-    assert sorted({r.num_output_tokens for r in responses}) == list(range(1, TOKENS + 1))
+    # every token came, in order: the cumulative counts rise to TOKENS (a response may carry
+    # several steps' tokens: the reply pump coalesces what queued while it was sending)
+    counts = [r.num_output_tokens for r in responses if r.num_output_tokens]
+    assert counts == sorted(set(counts)) and counts[-1] == TOKENS
     assert t_final > t_refused, "the stream ended before the drain was checked: make it longer"
 
     assert proc.wait(timeout=60) == 0
