@@ -289,23 +289,33 @@ def _cached_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir,
     root = pool.cache_root()
     descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,),
                      cached_keys=prompt_page_keys(t, 4, root, None, lookahead)) for t in ids]
-    tokens = {i: [] for i in range(len(ids))}
-    finished = threading.Semaphore(0)
-
-    def collect(i):
-        def on_output(out):
-            tokens[i].extend(out.new_token_ids)
-            if out.finished:
-                finished.release()
-        return on_output
+    streams = Streams(len(ids))
     for i, (t, d) in enumerate(zip(ids, descs)):
         ticket = SharedPoolTicket.for_descriptor(pool, d, len(t), engine.allocator)
-        engine.submit_prefilled(t, GREEDY, ticket, collect(i))
+        engine.submit_prefilled(t, GREEDY, ticket, streams.on_output(i))
     assert prefill_peer("prefill_run", list(zip(descs, ids))) == ["ok"] * len(ids)
-    for _ in ids:
-        assert finished.acquire(timeout=60)
     shared = [DestinationDescriptor.from_bytes(d).first_page for d in descs]
-    return [tokens[i] for i in range(len(ids))], shared
+    return streams.wait(60), shared
+
+
+class Streams:
+    """The tokens of n requests' output callbacks; :meth:`wait` for all to finish."""
+
+    def __init__(self, n: int):
+        self.tokens = [[] for _ in range(n)]
+        self._finished = threading.Semaphore(0)
+
+    def on_output(self, i: int):
+        def on_output(out):
+            self.tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                self._finished.release()
+        return on_output
+
+    def wait(self, timeout_s: float) -> list[list[int]]:
+        for _ in self.tokens:
+            assert self._finished.acquire(timeout=timeout_s)
+        return self.tokens
 
 
 @pytest.mark.parametrize("method, kv_layout", [(None, "HND"), (None, "NHD"), ("draft_target", "HND"),
@@ -371,22 +381,11 @@ def test_eviction_under_pressure_in_the_shared_pool_keeps_greedy_output(demo_che
                            max_num_batched_tokens=32)
     engine.start()
     try:
-        tokens = {i: [] for i in range(len(prompts))}
-        finished = threading.Semaphore(0)
-
-        def collect(i):
-            def on_output(out):
-                tokens[i].extend(out.new_token_ids)
-                if out.finished:
-                    finished.release()
-            return on_output
         for rnd in range(2):
+            streams = Streams(len(prompts))
             for i, p in enumerate(prompts):
-                tokens[i] = []
-                engine.submit(p, GREEDY, collect(i))
-            for _ in prompts:
-                assert finished.acquire(timeout=120)
-            assert [tokens[i] for i in range(len(prompts))] == expected, f"round {rnd}"
+                engine.submit(p, GREEDY, streams.on_output(i))
+            assert streams.wait(120) == expected, f"round {rnd}"
         stats = engine.prefix_cache
         assert stats.hit_tokens > 0 and stats.evictions > 0
     finally:
