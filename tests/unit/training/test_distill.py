@@ -212,7 +212,8 @@ def test_draft_trains_on_the_rows(distill_dir, target_dir, tmp_path):
         train_lm(bad, tmp_path / "w2", max_steps=1)
 
 
-@pytest.mark.parametrize("name", ["distill.json", "mtp_selfdistill.json", "mtp_selfdistill_2.json"])
+@pytest.mark.parametrize("name", ["distill.json", "mtp_selfdistill.json", "mtp_selfdistill_2.json",
+                                  "mtp_selfdistill_unroll.json"])
 def test_shipped_self_distillation_configs_parse(name):
     path = Path(__file__).resolve().parents[3] / "configs" / name
     d = json.loads(path.read_text())
