@@ -65,5 +65,7 @@ def test_greedy_text_with_speculation_equals_plain_decoding(server, reference):
     for model in ("decode", "llm"):
         assert metric(srv, "tandem_spec_drafts_total", model) > 0
         if method == "draft_target":
+            # every draft accepted (the draft KV arrived intact); adaptive k (the server's
+            # default) may verify fewer than 3 drafts a step, so at most 1 + 3 per round
             assert metric(srv, "tandem_spec_acceptance_rate", model) == 1.0
-            assert metric(srv, "tandem_spec_mean_acceptance_length", model) == 4.0
+            assert 1.0 < metric(srv, "tandem_spec_mean_acceptance_length", model) <= 4.0
