@@ -82,10 +82,11 @@ class PrefixIndex:
         c.hdr[H_CACHE_OWNER] = owner
         return freed
 
-    def _evictable_mask(self) -> np.ndarray:
+    def _evictable_mask(self, pages=slice(None)) -> np.ndarray:
+        """Which of ``pages`` (default: all) are cached and unused by anyone."""
         c = self._ctl
-        return ((c.page_cached == 1) & (c.page_held == 0) & (c.page_pins == 0)
-                & (c.page_owner != 0))
+        return ((c.page_cached[pages] == 1) & (c.page_held[pages] == 0)
+                & (c.page_pins[pages] == 0) & (c.page_owner[pages] != 0))
 
     # -- lookups ----------------------------------------------------------------------
     def find(self, key: bytes) -> int:
@@ -111,7 +112,7 @@ class PrefixIndex:
         """The owner holds ``pages`` (cached ones stop being evictable)."""
         c = self._ctl
         pages = np.asarray(pages, dtype=np.int64)
-        was = self._evictable_mask()[pages]
+        was = self._evictable_mask(pages)
         c.page_held[pages] = 1
         c.hdr[H_EVICTABLE] -= int(was.sum())
 
@@ -168,7 +169,7 @@ class PrefixIndex:
             raise ValueError(f"{len(pages)} pins; a reservation holds at most {self.max_pins}")
         c = self._ctl
         arr = np.asarray(pages, dtype=np.int64)
-        was = self._evictable_mask()[arr]
+        was = self._evictable_mask(arr)
         c.pins[slot, :len(arr)] = arr
         c.slot_num_pins[slot] = len(arr)
         np.add.at(c.page_pins, arr, 1)
@@ -190,7 +191,7 @@ class PrefixIndex:
         if to_owner:
             c.page_held[pages] = 1
         else:
-            now = pages[self._evictable_mask()[pages]]
+            now = pages[self._evictable_mask(pages)]
             self._stamp(now)
             c.hdr[H_EVICTABLE] += len(now)
         return pages.tolist()

@@ -455,6 +455,11 @@ class SharedKVPool:
             self._pages.free(self._cache.reset())
             return n
 
+    @property
+    def cache_evictions(self) -> int:
+        """Evictions since the pool was made (a racy read of one counter, no lock)."""
+        return self._cache.evictions()
+
     def cache_counts(self) -> tuple[int, int]:
         """(pages cached, evictions since the pool was made)."""
         with self._locked():

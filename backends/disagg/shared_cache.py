@@ -85,7 +85,8 @@ class SharedCachingAllocator(SharedPageAllocator):
     # -- the cache --------------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        self._stats.evictions = self.pool.cache_counts()[1]
+        # read on every admission (the lookup counts): the eviction count without the lock
+        self._stats.evictions = self.pool.cache_evictions
         return self._stats
 
     @property
