@@ -27,7 +27,7 @@ from .model_runner import ForwardBatch, ModelRunner
 from .params import SamplingParams
 from .prefix_caching import PrefixCaching
 from .request_perf import RequestPerf
-from .proposers import (AutoProposer, DraftModelProposer, NgramProposer, StepHidden,
+from .proposers import (MAX_LAG, PLAIN_MAX_LAG, AutoProposer, DraftModelProposer, NgramProposer, StepHidden,
                         draft_vocab_ids, load_proposer_model, make_proposer)
 from .request_limits import MAX_LOOKAHEAD_SLOTS, check_context, check_pool_fit, lookahead_slots
 from .sampler import sample, token_logprobs, verify_drafts
@@ -422,16 +422,22 @@ class LLMEngine:
             s.seq.num_computed = s.end
         outputs = [self._guide_ended(seq) if i in dead else self._commit(seq, [tok], lp)
                    for i, (seq, tok, lp) in enumerate(zip(sampling, tokens, logprobs))]
+        if choice is not None:   # a plain decode step the controller chose: its cost, without
+            # the proposer's catch-up below (kept rows run in batches every MAX_LAG tokens:
+            # work the plain step does not need, which landed in its average as spikes)
+            self.controller.observe_cost(("step", self._bucket(len(scheduled)), 0),
+                                         1000 * (self._clock() - began))
         if self.proposer is not None:
             # prefill and mixed steps decode plainly; the proposer then sees what the target saw
             step_hidden: StepHidden = {s.seq.request_id: (starts[i], hidden[ptr[i]:ptr[i + 1]])
                                        for i, s in enumerate(scheduled)}
             live = [s.seq for s in scheduled if not s.seq.is_finished]
-            outputs += isolate(live, lambda seqs: self.proposer.catch_up(seqs, step_hidden) or [],
+            # while the controller keeps choosing plain steps, a lazy proposer leaves
+            # decoded rows for longer: a request may end before it drafts again
+            lag = PLAIN_MAX_LAG if choice is not None and \
+                self.controller.decoding_plainly(self._bucket(len(scheduled))) else MAX_LAG
+            outputs += isolate(live, lambda seqs: self.proposer.catch_up(seqs, step_hidden, lag) or [],
                                self._fail)
-            if choice is not None:   # a plain decode step the controller chose: its cost
-                self.controller.observe_cost(("step", self._bucket(len(scheduled)), 0),
-                                             1000 * (self._clock() - began))
         return outputs
 
     def _bucket(self, batch_size: int) -> int:
@@ -441,6 +447,10 @@ class LLMEngine:
         """How many tokens each sequence drafts in this decode step, and by which method;
         None: the proposer is behind on some sequence (or, with k pinned, cannot draft
         for one), so the step decodes plainly and the proposer catches up."""
+        fast = self.controller.plain_without_planning(self._bucket(len(seqs)))
+        if fast is not None:
+            self.spec_metrics.record_choice(fast.k, fast.reason)
+            return fast, [None] * len(seqs)
         if not all(self.proposer.in_sync(s) for s in seqs):
             return None
         methods = [self.proposer.method_for(s) for s in seqs]

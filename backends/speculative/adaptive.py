@@ -7,7 +7,13 @@ that draft j is accepted given that the drafts before it were (the acceptance of
 draft *position*, tracked per sequence as an exponential moving average). The step
 costs the target's verify forward for the batch at (batch bucket, k) plus the
 proposer's drafting; k = 0 is a plain decode step. :func:`choose_k` picks the k with
-the most expected tokens per millisecond — pure, given the costs and acceptances.
+the most expected tokens per millisecond — pure, given the costs and acceptances —
+among the k that slow no sequence of the batch: every row pays the verify step's price,
+so a k is allowed only where each row's own expected tokens per ms are at least a plain
+step's (``row_floor``). That is what "never slower than plain" needs: a step where some
+rows race ahead while the others advance one token at a dearer price wins tokens per ms
+for the batch but loses to plain decoding wherever the run lasts as long as its slowest
+request (a closed batch, every client waiting on its own stream).
 
 :class:`SpecController` holds what the engine measures online: step costs as moving
 averages per (bucket, k), seeded by a start-up warm-up; a cell never measured is
@@ -28,18 +34,30 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 COST_ALPHA = 0.2          # weight of a new step-cost measurement
+# a measurement above this many times its average counts as this many: a lazy proposer's
+# catch-up on the rows of a long plain stretch lands in one drafting step now and then,
+# and would otherwise keep drafting's average dear long after (a rising load still
+# moves the average up by COST_ALPHA * (COST_CLIP - 1) per step)
+COST_CLIP = 2.0
 ACCEPT_ALPHA = 0.3        # weight of a new acceptance outcome
 PRIOR_ACCEPTANCE = 0.6    # a draft position's acceptance before anything was measured
 COLLAPSE = 0.15           # first-position acceptance below this: the sequence backs off
 MIN_ROUNDS = 3            # rounds a sequence drafts before it can be judged collapsed
 BACKOFF_MIN, BACKOFF_MAX = 8, 256   # steps without speculating, doubled per collapse
 EXPLORE_EVERY = 64        # every n-th choice at a bucket measures its least fresh k
+# after this many plain choices in a row at a bucket, only every REPLAN_EVERY-th step looks
+# at the sequences (their proposals: an n-gram lookup each); the others decode plainly
+# at once -- where speculation does not pay, choosing costs as much as it could save
+PLAIN_STREAK, REPLAN_EVERY = 8, 8
 # speculation must beat a plain step's expected tokens per ms by this factor: the costs and
-# acceptances are noisy averages, and a sequence that races ahead of its batch leaves
-# later steps smaller (no cheaper here), so a marginal estimate is not worth the risk
+# acceptances are noisy averages, so a marginal estimate is not worth the risk
 SPECULATE_MARGIN = 1.1
+# and no row of the batch may expect fewer tokens per ms than in a plain step: a row that
+# does not draft (or drafts poorly) pays the verify step's price for its one token
+ROW_FLOOR = 1.0
 
-REASONS = ("fixed", "speculate", "plain_faster", "no_draft", "backoff", "explore")
+# slows_row: the batch would gain, but some row would advance slower than in a plain step
+REASONS = ("fixed", "speculate", "plain_faster", "slows_row", "no_draft", "backoff", "explore")
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -67,9 +85,10 @@ class Choice:
 
 
 def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | None],
-             max_k: int, margin: float = 1.0) -> Choice:
+             max_k: int, margin: float = 1.0, row_floor: float = 0.0) -> Choice:
     """The k in 0..max_k with the most expected tokens per ms for the batch, a k > 0
-    only where it beats the plain step by ``margin``.
+    only where it beats the plain step by ``margin`` and leaves every row at least
+    ``row_floor`` times its plain step's tokens per ms.
 
     ``step_ms[k]``: what a step of this batch costs with k drafts per drafting sequence
     (0: a plain decode step); ``acceptances[i]``: sequence i's per-position acceptance,
@@ -80,18 +99,26 @@ def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | 
     Choice(k=2, ks=(2, 0), reason='speculate')
     >>> choose_k({0: 10.0, 1: 15.0, 2: 18.0}, [[0.9, 0.9], None], 2, margin=1.1).reason
     'plain_faster'
+    >>> choose_k({0: 10.0, 1: 15.0, 2: 18.0}, [[0.9, 0.9], None], 2, row_floor=1.0).reason
+    'slows_row'
+    >>> choose_k({0: 10.0, 1: 12.0, 2: 14.0}, [[0.9, 0.9], [0.3, 0.1]], 2, row_floor=1.0).k
+    1
     """
     plain = len(acceptances) / step_ms[0]
     if all(a is None for a in acceptances):
         return Choice(0, (0,) * len(acceptances), "no_draft", plain)
-    best_k, best_rate = 0, plain * margin
+    best_k, best_rate, slowed = 0, plain * margin, False
     for k in range(1, max_k + 1):
-        tokens = sum(1.0 if a is None else expected_tokens(a, k) for a in acceptances)
-        rate = tokens / step_ms[k]
-        if rate > best_rate * (1 + 1e-9):
-            best_k, best_rate = k, rate
+        tokens = [1.0 if a is None else expected_tokens(a, k) for a in acceptances]
+        rate = sum(tokens) / step_ms[k]
+        if rate <= best_rate * (1 + 1e-9):
+            continue
+        if min(tokens) / step_ms[k] < row_floor / step_ms[0] * (1 - 1e-9):
+            slowed = True
+            continue
+        best_k, best_rate = k, rate
     if best_k == 0:
-        return Choice(0, (0,) * len(acceptances), "plain_faster", plain)
+        return Choice(0, (0,) * len(acceptances), "slows_row" if slowed else "plain_faster", plain)
     return Choice(best_k, tuple(0 if a is None else best_k for a in acceptances), "speculate",
                   best_rate)
 
@@ -109,7 +136,7 @@ class CostTable:
     """
 
     def __init__(self, alpha: float = COST_ALPHA):
-        self.alpha = alpha
+        self.alpha = alpha   # an observation is clipped at COST_CLIP times the average
         self.ms: dict[tuple, float] = {}
         self.seen: dict[tuple, int] = {}    # key -> the count of observations when last seen
         self.seeded: set[tuple] = set()     # keys that hold a start-up measurement only
@@ -118,7 +145,7 @@ class CostTable:
     def observe(self, key: tuple, ms: float) -> None:
         old = self.ms.get(key)
         fresh = old is None or key in self.seeded
-        self.ms[key] = ms if fresh else old + self.alpha * (ms - old)
+        self.ms[key] = ms if fresh else old + self.alpha * (min(ms, COST_CLIP * old) - old)
         self.seeded.discard(key)
         self.observations += 1
         self.seen[key] = self.observations
@@ -204,6 +231,7 @@ class SpecController:
     seqs: dict[str, dict[str, Acceptance]] = field(default_factory=dict)   # rid -> method -> state
     methods: dict[str, Acceptance] = field(default_factory=dict)   # priors for new sequences
     choices: dict[int, int] = field(default_factory=dict)          # per bucket, for exploring
+    plain_streak: dict[int, int] = field(default_factory=dict)     # per bucket: plain choices in a row
 
     def _state(self, rid: str, method: str) -> Acceptance:
         states = self.seqs.setdefault(rid, {})
@@ -226,6 +254,20 @@ class SpecController:
             return target
         return target + (self.costs.estimate(("propose", bucket, k, kind)) or 0.0)
 
+    def decoding_plainly(self, bucket: int) -> bool:
+        """Plain steps have been chosen at ``bucket`` :data:`PLAIN_STREAK` times in a row."""
+        return self.adaptive and self.plain_streak.get(bucket, 0) >= PLAIN_STREAK
+
+    def plain_without_planning(self, bucket: int) -> Choice | None:
+        """A plain step chosen without looking at the sequences (None: plan this one):
+        after :data:`PLAIN_STREAK` plain choices in a row at ``bucket``, all but every
+        :data:`REPLAN_EVERY`-th step. Backoffs do not count these steps down."""
+        n = self.plain_streak.get(bucket, 0)
+        if not self.decoding_plainly(bucket) or n % REPLAN_EVERY == 0:
+            return None
+        self.plain_streak[bucket] = n + 1
+        return Choice(0, (), "plain_faster")
+
     def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None]) -> Choice:
         """``methods[i]``: what would draft for sequence ``rids[i]`` (None: nothing can)."""
         if not self.adaptive:
@@ -241,11 +283,6 @@ class SpecController:
                 state.tick()
         if all(a is None for a in acceptances):
             return Choice(0, (0,) * len(rids), "backoff" if backoff else "no_draft")
-        n = self.choices[bucket] = self.choices.get(bucket, 0) + 1
-        if n % EXPLORE_EVERY == 0:     # the k whose cost here is least fresh (or unknown)
-            k = min(range(self.max_k + 1),
-                    key=lambda k: self.costs.seen.get(("step", bucket, k), -1))
-            return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
         if self.costs.estimate(("step", bucket, 0)) is None:   # nothing measured: measure it
             return Choice(self.max_k, tuple(0 if a is None else self.max_k for a in acceptances),
                           "explore")
@@ -260,9 +297,19 @@ class SpecController:
         best = None
         for kind, acc in options:
             ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
-            c = choose_k(ms, acc, self.max_k, SPECULATE_MARGIN)
+            c = choose_k(ms, acc, self.max_k, SPECULATE_MARGIN, ROW_FLOOR)
             if best is None or c.tokens_per_ms > best.tokens_per_ms * (1 + 1e-9):
                 best = c
+        n = self.choices[bucket] = self.choices.get(bucket, 0) + 1
+        if n % EXPLORE_EVERY == 0:
+            # re-measure the least fresh neighbour of the best k: costs drift with the
+            # machine's load, and a cell the estimate keeps too dear would never be chosen
+            # again; a neighbour, because a far k (3 drafts each at batch 16) costs a step
+            # several plain ones' worth
+            k = min((k for k in (best.k - 1, best.k + 1) if 0 <= k <= self.max_k),
+                    key=lambda k: self.costs.seen.get(("step", bucket, k), -1))
+            return Choice(k, tuple(0 if a is None else k for a in acceptances), "explore")
+        self.plain_streak[bucket] = self.plain_streak.get(bucket, 0) + 1 if best.k == 0 else 0
         return best
 
     def observe_cost(self, key: tuple, ms: float) -> None:

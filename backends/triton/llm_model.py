@@ -58,8 +58,10 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import torch
 
-        # `kill -USR1 <stub pid>` dumps every thread's stack into the server log.
+        # `kill -USR1 <stub pid>` dumps every thread's stack into the server log, and a
+        # crash (SIGSEGV, SIGABRT, ...) leaves its Python stacks there before the stub dies
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         model_config = json.loads(args["model_config"])
         name, version = args.get("model_name", "llm"), str(args.get("model_version", "1"))
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):

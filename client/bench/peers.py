@@ -37,8 +37,10 @@ DEFAULT_OUT = Path("docs/bench/peers.json")
 SERVERS = ("vllm", "tandem")
 # speculation each server offers here, and the group it is measured in
 METHODS = {"none": ("vllm", "tandem"), "ngram": ("vllm", "tandem"), "draft_model": ("vllm",),
-           "draft_target": ("tandem",), "mtp": ("tandem",)}
-GROUP = {"none": "plain", "ngram": "ngram", "draft_model": "draft", "draft_target": "draft", "mtp": "draft"}
+           "draft_target": ("tandem",), "mtp": ("tandem",),
+           "auto": ("tandem",)}
+GROUP = {"none": "plain", "ngram": "ngram", "draft_model": "draft", "draft_target": "draft", "mtp": "draft",
+         "auto": "auto"}
 # a pause before each level: the previous server's spinning threads wind down
 SETTLE_S = 1.0
 KEYS = ("output_tok_s", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "ttft_cold_ms_p50", "ttft_warm_ms_p50",
@@ -61,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-only", action="store_true", help="measure vLLM only (same as --servers vllm)")
     p.add_argument("--methods", type=names(*METHODS), default=",".join(METHODS),
                    help="speculation, each on the servers that have it: none, ngram (both), "
-                        "draft_model (vLLM), draft_target, mtp (Tandem)")
+                        "draft_model (vLLM), draft_target, mtp, auto (Tandem: --spec auto)")
     p.add_argument("--k", type=positive_int, default=3, help="draft tokens per step of every speculation")
     p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
     p.add_argument("--requests", type=positive_int, default=8,

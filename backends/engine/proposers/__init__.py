@@ -3,7 +3,7 @@
 prompt lookup (:mod:`.ngram`) and ``--spec auto``'s choice among them (:mod:`.auto`);
 :mod:`.prefill` fills a proposer's KV on the prefill side of disaggregated speculation."""
 from .auto import AutoProposer
-from .base import DraftProcess, Proposer, StepHidden
+from .base import MAX_LAG, PLAIN_MAX_LAG, DraftProcess, Proposer, StepHidden
 from .draft import DraftModelProposer
 from .load import load_proposer_model, make_proposer
 from .mtp import MTPProposer
@@ -11,6 +11,6 @@ from .ngram import NgramProposer, propose_ngram
 from .prefill import ProposerPrefill
 from .vocab import DraftVocab, draft_vocab_ids
 
-__all__ = ["AutoProposer", "DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer",
+__all__ = ["MAX_LAG", "PLAIN_MAX_LAG", "AutoProposer", "DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer",
            "NgramProposer", "Proposer", "ProposerPrefill", "StepHidden", "draft_vocab_ids", "load_proposer_model",
            "make_proposer", "propose_ngram"]

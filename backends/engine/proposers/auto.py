@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ..sequence import Sequence
-from .base import DraftProcess, Proposer, StepHidden
+from .base import MAX_LAG, DraftProcess, Proposer, StepHidden
 from .ngram import NgramProposer
 
 
@@ -51,8 +51,9 @@ class AutoProposer:
     def fast_decode(self, steps) -> None:
         self.model.fast_decode = steps
 
-    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
-        self.model.catch_up(seqs, step_hidden)
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
+                 max_lag: int = MAX_LAG) -> None:
+        self.model.catch_up(seqs, step_hidden, max_lag)
 
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:

@@ -30,6 +30,10 @@ from ..sequence import Sequence
 # decoded tokens at the latest when this many wait: it bounds the rows kept and how late
 # the prefix cache sees the proposer's KV of generated text (4 pages of 16)
 MAX_LAG = 64
+# ... and while adaptive speculation keeps choosing plain steps: a request that ends
+# before drafting again never needs the rows (at batch 16 on two cores the catch-up every
+# MAX_LAG tokens was ~2% of a plain step's cost)
+PLAIN_MAX_LAG = 512
 
 # per request id: (first target position computed this step, hidden rows [n, H])
 StepHidden = dict[str, tuple[int, torch.Tensor]]
@@ -41,9 +45,11 @@ class Proposer(Protocol):
     def ready(self, seq: Sequence) -> bool:
         """Whether ``seq`` can be drafted for in this step."""
 
-    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
+                 max_lag: int = MAX_LAG) -> None:
         """Bring the proposer's state up to the target's after a plain step
-        (``step_hidden``: the target's hidden rows of that step, for an MTP head)."""
+        (``step_hidden``: the target's hidden rows of that step, for an MTP head; a
+        lazy proposer may leave up to ``max_lag`` tokens of decoded text to later)."""
 
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:

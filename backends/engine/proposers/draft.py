@@ -49,11 +49,12 @@ class DraftModelProposer:
     def forget(self, request_id: str) -> None:
         """Nothing kept per request outside ``seq.draft``."""
 
-    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
+                 max_lag: int = MAX_LAG) -> None:
         """Feed the draft the tokens it has not seen, up to one past the target's cache
-        (lazy: after a prompt's chunk, or where more than :data:`~.base.MAX_LAG` wait)."""
+        (lazy: after a prompt's chunk, or where more than ``max_lag`` wait)."""
         if self.lazy:   # a prompt's chunk at once (its KV is wanted: prefix cache), else late
-            seqs = [s for s in seqs if s.num_tokens - s.draft.computed > MAX_LAG
+            seqs = [s for s in seqs if s.num_tokens - s.draft.computed > max_lag
                     or (step_hidden is not None and len(step_hidden[s.request_id][1]) > 1)]
         self._catch_up(seqs)
 

@@ -91,7 +91,8 @@ class MTPProposer:
         g = self.head(self.target, inputs.input_ids, hidden, inputs.positions, attn)
         return inputs, g
 
-    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
+                 max_lag: int = MAX_LAG) -> None:
         if not self.lazy:
             return self._catch_up(seqs, step_hidden)
         chunks = []
@@ -102,7 +103,7 @@ class MTPProposer:
                 if len(rows) > 1:        # a prompt's chunk: its KV is wanted (prefix cache)
                     chunks.append(s)
         self.flush(chunks)
-        self.flush(seqs, MAX_LAG)
+        self.flush(seqs, max_lag)
 
     def _catch_up(self, seqs: list[Sequence], step_hidden: StepHidden) -> None:
         todo = []

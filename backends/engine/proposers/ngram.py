@@ -111,7 +111,8 @@ class NgramProposer:
         self._index.pop(request_id, None)
         self._found.pop(request_id, None)
 
-    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None) -> None:
+    def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
+                 max_lag: int = 0) -> None:
         """Nothing to catch up: no model has to see the tokens."""
 
     def propose(self, seqs: list[Sequence], k: int,
