@@ -133,6 +133,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.guides: GuideCompiler | None = None   # made on the first guided request
         self._guide_masks: ThreadPoolExecutor | None = None   # fills masks while the model runs
+        # (clock, bucket) at the end of the last step that ran sequences: the time from
+        # there to the next step is what serving a step costs outside it (see step)
+        self._step_ended: tuple[float, int] | None = None
 
     def _make_prefix_caching(self, spec: SpeculativeConfig) -> PrefixCaching | None:
         """On when configured and the allocator caches (an external pool's may not)."""
@@ -385,6 +388,12 @@ class LLMEngine:
         """One batched forward. A request whose part of the step raises ends alone
         (finish_reason "error", the cause named); the others go on."""
         plan = self.scheduler.schedule()
+        if self.controller is not None and self._step_ended is not None:
+            # a server's work between two steps (streaming the outputs, taking requests in)
+            # is paid once per step whatever k was: it makes fewer, longer steps pay more
+            ended, bucket = self._step_ended
+            self.controller.observe_cost(("gap", bucket, 0), 1000 * (self._clock() - ended))
+        self._step_ended = None
         if not plan.seqs:
             return []
         outputs = isolate(plan.seqs, self._step, lambda s, exc: self._fail(s.seq, exc))
@@ -392,6 +401,8 @@ class LLMEngine:
             for s in plan.seqs:
                 if not s.seq.is_finished:
                     self.prefix.publish(s.seq)
+        if self.controller is not None:
+            self._step_ended = (self._clock(), self._bucket(len(plan.seqs)))
         return outputs
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:

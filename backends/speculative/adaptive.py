@@ -248,9 +248,14 @@ class SpecController:
 
     def step_ms(self, bucket: int, k: int, kind: str) -> float | None:
         """The estimated cost of a step at ``bucket`` with ``k`` drafts drafted by
-        ``kind`` ("model" or "ngram"): target side plus proposer side."""
+        ``kind`` ("model" or "ngram"): target side plus proposer side, plus what the
+        engine's caller spends between two steps ("gap": a server streaming each step's
+        outputs), the same for every k."""
         target = self.costs.estimate(("step", bucket, k))
-        if k == 0 or target is None:
+        if target is None:
+            return None
+        target += self.costs.estimate(("gap", bucket, 0)) or 0.0
+        if k == 0:
             return target
         return target + (self.costs.estimate(("propose", bucket, k, kind)) or 0.0)
 

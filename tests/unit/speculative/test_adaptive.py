@@ -251,3 +251,15 @@ def test_where_plain_keeps_winning_most_steps_skip_the_planning():
     assert c.plan(1, ["a"], ["mtp"]).k == 3
     assert c.plain_without_planning(1) is None
     assert SpecController(3, adaptive=False).plain_without_planning(1) is None
+
+
+def test_the_work_between_steps_makes_fewer_longer_steps_pay():
+    """A server streams every step's outputs: time paid per step whatever k was. The
+    same drafts that do not pay in a bare loop pay where each step carries that cost."""
+    c = controller(step={0: 10.0, 1: 16.0, 2: 20.0, 3: 24.0})
+    for i in range(20):            # half the first drafts accepted
+        c.observe_accepted("a", "mtp", 3, i % 2)
+    assert c.plan(1, ["a"], ["mtp"]).k == 0
+    c.observe_cost(("gap", 1, 0), 20.0)
+    assert c.step_ms(1, 0, "model") == 30.0 and c.step_ms(1, 2, "model") == 40.0
+    assert c.plan(1, ["a"], ["mtp"]).k > 0
