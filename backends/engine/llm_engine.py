@@ -467,8 +467,11 @@ class LLMEngine:
         methods = [self.proposer.method_for(s) for s in seqs]
         if not self.controller.adaptive and None in methods:
             return None   # pinned k: a batch speculates only when every sequence drafts
-        choice = self.controller.plan(self._bucket(len(seqs)), [s.request_id for s in seqs], methods)
+        bucket = self._bucket(len(seqs))
+        choice = self.controller.plan(bucket, [s.request_id for s in seqs], methods)
         self.spec_metrics.record_choice(choice.k, choice.reason)
+        if self.controller.choices.get(bucket, 0) % 1024 == 1:    # why it chooses, now and then
+            log.info("adaptive speculation, %s", self.controller.describe(bucket))
         return choice, methods
 
     def _propose(self, seqs: list[Sequence], ks: tuple[int, ...],
@@ -491,6 +494,13 @@ class LLMEngine:
         target token, roll the rejected KV back. Sequences drafting the same number are
         verified together (the rejection sampler's [B, k + 1] rows)."""
         ks, width = choice.ks, choice.k + 1
+        # a lazy model proposer first catches up on the rows it kept (every MAX_LAG tokens
+        # it would anyway): outside the drafting's measured cost, which is then what
+        # drafting k tokens costs, not how long the proposer sat out before
+        model = self._model_proposer()
+        behind = [s for s, m, k in zip(seqs, methods, ks) if k and m not in (None, "ngram")]
+        if model is not None and behind and getattr(model, "lazy", False):
+            model.flush(behind)
         before = [replace(s.draft) for s in seqs]
         groups: dict[int, list[int]] = {}
         for i, k in enumerate(ks):

@@ -317,6 +317,15 @@ class SpecController:
         self.plain_streak[bucket] = self.plain_streak.get(bucket, 0) + 1 if best.k == 0 else 0
         return best
 
+    def describe(self, bucket: int) -> str:
+        """The estimates a choice at ``bucket`` is made from, for the log."""
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
+        cells = [f"k={k}: {fmt(self.step_ms(bucket, k, 'model'))}/{fmt(self.step_ms(bucket, k, 'ngram'))}"
+                 for k in range(self.max_k + 1)]
+        priors = {m: [round(r, 2) for r in a.rates] for m, a in self.methods.items()}
+        return (f"bucket {bucket}: ms per step (model/ngram drafting) {', '.join(cells)}; "
+                f"gap {fmt(self.costs.estimate(('gap', bucket, 0)))}; acceptance by method {priors}")
+
     def observe_cost(self, key: tuple, ms: float) -> None:
         self.costs.observe(key, ms)
 
