@@ -10,9 +10,15 @@ from a separate training-only implementation. They are computed once per
 >>> hs = load_or_compute(target_dir, windows, ".cache/train/mtp/hidden")     # doctest: +SKIP
 >>> hs.tokens.shape, hs.hidden.shape                                          # doctest: +SKIP
 (torch.Size([512, 512]), torch.Size([512, 512, 384]))
+
+With ``fuse_layers`` (an EAGLE-3-style head, :class:`~tandem.backends.models.mtp.MTPHead`)
+the outputs of those decoder layers are recorded in the same forward (hooks on the
+target's layers, so the engine's forward is unchanged) and kept as ``features``
+[n, W, k*H]; when the last layer is among them ``hidden`` is a view into ``features``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -33,9 +39,18 @@ class HiddenStates:
     tokens: torch.Tensor    # [n, W] int64: token windows, each starting at KV position 0
     hidden: torch.Tensor    # [n, W, H]: the target's pre-norm last hidden state of every token
     lengths: torch.Tensor | None = None     # [n]: tokens before the padding (None: all W)
+    features: torch.Tensor | None = None    # [n, W, k*H]: outputs of a fused head's layers
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def batch_features(self, idx: torch.Tensor, device: str | torch.device = "cpu"
+                       ) -> torch.Tensor | None:
+        """``features`` of windows ``idx``, cut as :meth:`batch` cuts (None without them)."""
+        if self.features is None:
+            return None
+        w = self.features.shape[1] if self.lengths is None else int(self.lengths[idx].max())
+        return self.features[idx, :w].to(device)
 
     def batch(self, idx: torch.Tensor, device: str | torch.device = "cpu"
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -72,24 +87,57 @@ def first_windows(stream: torch.Tensor, num_windows: int, window_len: int) -> to
     return stream[:n * window_len].view(n, window_len).long()
 
 
+@contextlib.contextmanager
+def recording_layer_outputs(target: LlamaForCausalLM, layers: tuple[int, ...]):
+    """Within the block, ``outputs[j]`` is the output of decoder layer ``layers[j]`` in the
+    latest forward of ``target`` (forward hooks: the forward itself is unchanged)."""
+    outputs: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook(j):
+        def record(_module, _args, out):
+            outputs[j] = out
+        return record
+
+    handles = [target.layers[l].register_forward_hook(hook(j)) for j, l in enumerate(layers)]
+    try:
+        yield outputs
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()   # not inference_mode: the result is a training input
 def compute_hidden_states(target: LlamaForCausalLM, windows: torch.Tensor,
-                          batch_windows: int = 8, page_size: int = 16) -> torch.Tensor:
+                          batch_windows: int = 8, page_size: int = 16,
+                          fuse_layers: tuple[int, ...] | None = None
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n, W, H] hidden states of ``windows`` [n, W] through ModelRunner's paged prefill
-    (FlashInfer-shaped wrappers; FlashInfer itself on CUDA), returned on the CPU."""
+    (FlashInfer-shaped wrappers; FlashInfer itself on CUDA), returned on the CPU; with
+    ``fuse_layers`` also those layers' outputs concatenated, [n, W, k*H] (the pair)."""
     cfg, w = target.config, target.embed_tokens.weight
     n, width = windows.shape
+    h = cfg.hidden_size
     per_window = pages_needed(width, page_size)
     pool = KVPagePool.for_model(cfg, batch_windows * per_window, page_size, w.dtype, "HND",
                                 w.device)
     runner = ModelRunner(target, pool)
-    out = torch.empty(n, width, cfg.hidden_size, dtype=w.dtype)
-    for a in range(0, n, batch_windows):
-        chunk = windows[a:a + batch_windows]
-        pages = [list(range(i * per_window, (i + 1) * per_window)) for i in range(len(chunk))]
-        _, hidden = runner.forward(ForwardBatch(chunk.tolist(), [0] * len(chunk), pages))
-        out[a:a + len(chunk)] = hidden.view(len(chunk), width, -1).cpu()
-    return out
+    layers = tuple(fuse_layers or ())
+    features = torch.empty(n, width, len(layers) * h, dtype=w.dtype) if layers else None
+    last = cfg.num_hidden_layers - 1
+    # the last layer's output is the hidden state itself: a view, not a second copy
+    out = features[..., layers.index(last) * h:(layers.index(last) + 1) * h] \
+        if last in layers else torch.empty(n, width, h, dtype=w.dtype)
+    with recording_layer_outputs(target, layers) as recorded:
+        for a in range(0, n, batch_windows):
+            chunk = windows[a:a + batch_windows]
+            pages = [list(range(i * per_window, (i + 1) * per_window)) for i in range(len(chunk))]
+            _, hidden = runner.forward(ForwardBatch(chunk.tolist(), [0] * len(chunk), pages))
+            if features is not None:
+                features[a:a + len(chunk)] = torch.cat(recorded, -1).view(
+                    len(chunk), width, -1).cpu()
+            if last not in layers:
+                out[a:a + len(chunk)] = hidden.view(len(chunk), width, -1).cpu()
+    return out if features is None else (out, features)
 
 
 def target_fingerprint(target_dir: str | Path) -> str:
@@ -106,27 +154,58 @@ def target_fingerprint(target_dir: str | Path) -> str:
 def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: str | Path,
                     dtype: str = "bfloat16", device: str = "cpu",
                     target: LlamaForCausalLM | None = None,
-                    lengths: torch.Tensor | None = None) -> HiddenStates:
+                    lengths: torch.Tensor | None = None,
+                    fuse_layers: tuple[int, ...] | None = None) -> HiddenStates:
     """Hidden states of ``windows`` from the cache, or computed (and cached) when the
     target's weights, the windows or the dtype changed; ``lengths``: of right-padded
-    windows (self-distillation rows), kept with them."""
+    windows (self-distillation rows), kept with them; ``fuse_layers``: with those layers'
+    outputs as ``features`` (a separate cache entry)."""
     key = hashlib.sha256()
     key.update(target_fingerprint(target_dir).encode())
     key.update(f"{dtype}:{tuple(windows.shape)}".encode())
     key.update(windows.to(torch.int32).numpy().tobytes())
-    path = Path(cache_dir) / f"hidden-{key.hexdigest()[:16]}.pt"
+    prefix = "hidden"
+    if fuse_layers is not None:
+        key.update(f"fuse_layers:{tuple(fuse_layers)}".encode())
+        prefix = "fused"
+    path = Path(cache_dir) / f"{prefix}-{key.hexdigest()[:16]}.pt"
     if path.is_file():
         log.info("hidden states: cached %s", path)
-        return HiddenStates(windows, torch.load(path), lengths)
+        return _hidden_states(windows, torch.load(path), lengths, fuse_layers)
     if target is None:
         target = load_model(target_dir, dtype, device)
     t0 = time.monotonic()
-    hidden = compute_hidden_states(target, windows.to(target.embed_tokens.weight.device))
+    result = compute_hidden_states(target, windows.to(target.embed_tokens.weight.device),
+                                   fuse_layers=fuse_layers)
+    saved = result if fuse_layers is None else _fused_file(*result, target, fuse_layers)
+    size = sum(t.numel() * t.element_size() for t in
+               ([saved] if fuse_layers is None else saved.values()))
     log.info("hidden states: %d windows x %d tokens through the engine's paged forward in %.0f s "
-             "(%s, %.0f MB) -> %s", *windows.shape, time.monotonic() - t0, dtype,
-             hidden.numel() * hidden.element_size() / 1e6, path)
+             "(%s, %.0f MB%s) -> %s", *windows.shape, time.monotonic() - t0, dtype, size / 1e6,
+             "" if fuse_layers is None else f", layers {list(fuse_layers)}", path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save(hidden, tmp)
+    torch.save(saved, tmp)
     tmp.replace(path)
-    return HiddenStates(windows, hidden, lengths)
+    return _hidden_states(windows, saved, lengths, fuse_layers)
+
+
+def _fused_file(hidden: torch.Tensor, features: torch.Tensor, target: LlamaForCausalLM,
+                fuse_layers: tuple[int, ...]) -> dict:
+    """What a fused cache entry stores: the features, and the hidden states only when
+    the last layer is not among them."""
+    last = target.config.num_hidden_layers - 1
+    return {"features": features} if last in fuse_layers else \
+        {"features": features, "hidden": hidden}
+
+
+def _hidden_states(windows, saved, lengths, fuse_layers) -> HiddenStates:
+    if fuse_layers is None:
+        return HiddenStates(windows, saved, lengths)
+    features = saved["features"]
+    if "hidden" in saved:
+        return HiddenStates(windows, saved["hidden"], lengths, features)
+    # the last layer (the largest index) is among them: its slice, stored once
+    h = features.shape[-1] // len(fuse_layers)
+    j = list(fuse_layers).index(max(fuse_layers))
+    return HiddenStates(windows, features[..., j * h:(j + 1) * h], lengths, features)

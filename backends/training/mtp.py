@@ -19,6 +19,12 @@ the two as 1 (regression) : 0.1 (classification); here the classification term i
 the one acceptance depends on, so it gets weight 1 and the regression 0.1 by
 default (see configs/mtp.json).
 
+``mtp.fuse_layers`` (e.g. ``[1, 3, 5]``) trains an EAGLE-3-style head whose first step reads
+a fusion of those target layers' outputs (recorded with the hidden states) instead of
+``h_i``; see :class:`~tandem.backends.models.mtp.MTPHead`. Such a head is freshly
+initialised where its shapes are new (``fc``, the per-layer norms); ``init_from`` a plain
+head copies the rest (norms, ``proj``, the decoder layer).
+
 ``unroll > 1`` adds EAGLE-3-style training-time test: step ``p`` feeds step ``p-1``'s
 output back as the hidden state, at the positions and with the KV the engine's
 :meth:`MTPProposer.propose` uses, weighted ``unroll_decay ** (p-1)``.
@@ -68,6 +74,7 @@ class MTPConfig:
     unroll_decay: float = 0.5       # weight of step p is unroll_decay ** (p - 1)
     distill_fraction: float = 1.0   # with --distill-data: share of steps on its rows (the rest
                                     # on num_windows windows of the corpus stream)
+    fuse_layers: list[int] | None = None  # EAGLE-3-style fused input (None: h_i, the plain head)
 
 
 @dataclass(slots=True)
@@ -92,6 +99,9 @@ class MTPTrainConfig:
             raise ValueError(f"mtp.ce_labels {cfg.mtp.ce_labels!r} is invalid; allowed: target, data")
         if cfg.mtp.unroll < 1:
             raise ValueError(f"mtp.unroll {cfg.mtp.unroll} is invalid; allowed: >= 1")
+        if cfg.mtp.fuse_layers is not None and not isinstance(cfg.mtp.fuse_layers, list):
+            raise ValueError(f"mtp.fuse_layers {cfg.mtp.fuse_layers!r} is invalid; allowed: a "
+                             "list of target layer indices, e.g. [1, 3, 5], or absent")
         return cfg
 
     @classmethod
@@ -141,17 +151,28 @@ class StepLosses:
     kl: list[float]             # KL(target || head) of the next-token distributions
     reg: list[float]
     top1: list[float]           # argmax agreement with the target's next token
+    matches: list[torch.Tensor] = field(default_factory=list)   # per step [B, r] bool
+    masks: list[torch.Tensor | None] = field(default_factory=list)  # per step, as label_mask
 
 
 def unrolled_forward(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor,
-                     hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+                     hidden: torch.Tensor, steps: int,
+                     features: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The head's outputs for draft steps 1..steps over windows tokens [B, W] with the
     target's hidden states [B, W, H]: row i of step p reads t_{i+p} and (step 1) h_i or
     (later steps) row i of step p-1, at position i+p-1, and is trained towards h_{i+p}.
+    A fused head's step 1 reads ``head.fuse(features)`` [B, W, k*H] in place of h_i.
     Returns [B, W-1-p, H] per step (rows whose label t_{i+p+1} is in the window)."""
     b, w = tokens.shape
     attn = UnrolledAttention(b)
-    g, out = hidden[:, :w - 2], []
+    if head.fuse_layers is not None:
+        if features is None:
+            raise ValueError(f"MTP head with fuse_layers {list(head.fuse_layers)}: no layer "
+                             "features given (HiddenStates computed without fuse_layers?)")
+        g = head.fuse(features[:, :w - 2])
+    else:
+        g = hidden[:, :w - 2]
+    out = []
     for p in range(1, steps + 1):
         r = w - 1 - p
         if r < 1:
@@ -183,15 +204,18 @@ def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def mtp_loss(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
-             cfg: MTPConfig, amp: str = "bf16", lengths: torch.Tensor | None = None) -> StepLosses:
+             cfg: MTPConfig, amp: str = "bf16", lengths: torch.Tensor | None = None,
+             features: torch.Tensor | None = None) -> StepLosses:
     """Loss of a batch of windows: tokens [B, W], the target's hidden states [B, W, H];
     ``lengths`` [B] (self-distillation rows are right-padded): rows whose label is padding
-    do not count."""
+    do not count; ``features`` [B, W, k*H]: a fused head's layer outputs."""
     hidden = hidden.to(target.embed_tokens.weight.dtype)
+    if features is not None:
+        features = features.to(hidden.dtype)
     total = torch.zeros((), device=tokens.device)
-    ce_l, kl_l, reg_l, top1_l = [], [], [], []
+    ce_l, kl_l, reg_l, top1_l, matches, masks = [], [], [], [], [], []
     with autocast(amp):
-        steps = unrolled_forward(head, target, tokens, hidden, cfg.unroll)
+        steps = unrolled_forward(head, target, tokens, hidden, cfg.unroll, features)
     for p, g in enumerate(steps, 1):
         b, r = g.shape[:2]
         mask = label_mask(lengths, r, p)
@@ -212,12 +236,39 @@ def mtp_loss(head: MTPHead, target: LlamaForCausalLM, tokens: torch.Tensor, hidd
         with torch.no_grad():
             t_logp = t_logits.float().log_softmax(-1)
             kl = _mean((t_logp.exp() * (t_logp - logits.float().log_softmax(-1))).sum(-1), mask)
-            top1 = _mean((logits.argmax(-1) == t_logits.argmax(-1)).float(), mask)
+            match = logits.argmax(-1) == t_logits.argmax(-1)
+            top1 = _mean(match.float(), mask)
+        matches.append(match)
+        masks.append(mask)
         ce_l.append(ce.item())
         kl_l.append(kl.item())
         reg_l.append(reg.item())
         top1_l.append(top1.item())
-    return StepLosses(total, ce_l, kl_l, reg_l, top1_l)
+    return StepLosses(total, ce_l, kl_l, reg_l, top1_l, matches, masks)
+
+
+def chained_acceptance(matches: list[torch.Tensor], mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, int]:
+    """Sum over rows of the teacher-forced acceptance length at k = len(matches), and the
+    row count: row i accepts draft p while steps 1..p all agree with the target's argmax,
+    plus the target's own token (1 + a1 + a1 a2 + ...). Only rows that have every step's
+    label count (``mask``: step k's, from :func:`label_mask`). Teacher-forced: step p reads
+    the data's token t_{i+p}; where that is the target's greedy token (the greedy
+    self-distillation rows) this is what the engine's greedy verification accepts.
+
+    >>> m = [torch.tensor([[True, True, False]]), torch.tensor([[True, False]])]
+    >>> chained_acceptance(m, None)
+    (tensor(5.), 2)
+    """
+    r = matches[-1].shape[1]
+    alive = torch.ones_like(matches[-1], dtype=torch.float32)
+    length = torch.ones_like(alive)
+    for m in matches:
+        alive = alive * m[:, :r].float()
+        length = length + alive
+    if mask is None:
+        return length.sum(), length.numel()
+    return (length * mask).sum(), int(mask.sum())
 
 
 @torch.no_grad()
@@ -231,17 +282,24 @@ def evaluate(head: MTPHead, target: LlamaForCausalLM, data: HiddenStates, cfg: M
     head.eval()
     device = target.embed_tokens.weight.device
     sums, n = None, 0
+    accepted, accept_rows = 0.0, 0
     for a in range(0, len(data), batch_size):
-        tok, hid, lengths = data.batch(torch.arange(a, min(a + batch_size, len(data))), device)
-        s = mtp_loss(head, target, tok, hid, cfg, amp, lengths)
+        idx = torch.arange(a, min(a + batch_size, len(data)))
+        tok, hid, lengths = data.batch(idx, device)
+        s = mtp_loss(head, target, tok, hid, cfg, amp, lengths, data.batch_features(idx, device))
         row = s.ce + s.kl + s.reg + s.top1
         sums = [x * len(tok) for x in row] if sums is None else \
             [acc + x * len(tok) for acc, x in zip(sums, row)]
         n += len(tok)
+        total, rows = chained_acceptance(s.matches[:EVAL_STEPS], s.masks[EVAL_STEPS - 1])
+        accepted, accept_rows = accepted + float(total), accept_rows + rows
     head.train(was_training)
     k = len(sums) // 4
     mean = [x / n for x in sums]
-    return {name: mean[i * k:(i + 1) * k] for i, name in enumerate(("ce", "kl", "reg", "top1"))}
+    out = {name: mean[i * k:(i + 1) * k] for i, name in enumerate(("ce", "kl", "reg", "top1"))}
+    # teacher-forced mean acceptance length at k = EVAL_STEPS (see chained_acceptance)
+    out["accept"] = [accepted / max(1, accept_rows)]
+    return out
 
 
 # -- the training run ----------------------------------------------------------------------
@@ -311,7 +369,7 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
                                                                device, distill)
     target = load_model(target_dir, "float32", device)     # frozen: embeddings, norm, lm_head
     torch.manual_seed(o.seed)
-    head = MTPHead(target.config, use_norms=m.use_norms).to(device)
+    head = MTPHead(target.config, use_norms=m.use_norms, fuse_layers=m.fuse_layers).to(device)
     init_weights(head, o.init_std)
     if cfg.init_from is not None:
         load_head_weights(head, cfg.init_from, target_dir)
@@ -323,9 +381,10 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
     sets = [hs for hs in (train_hs, distill_hs) if hs is not None]
     train_tokens = sum(len(hs) * width if hs.lengths is None else int(hs.lengths.sum())
                        for hs in sets)
-    log.info("MTP head (norms %s): %.2fM params on target %s (%s)%s; %d corpus windows x %d "
+    log.info("MTP head (norms %s%s): %.2fM params on target %s (%s)%s; %d corpus windows x %d "
              "tokens, %d self-distillation rows (%.0f%% of the steps), %d validation windows; "
-             "threads %d", m.use_norms, n_params / 1e6, target_dir, fingerprint,
+             "threads %d", m.use_norms,
+             f", fused layers {m.fuse_layers}" if m.fuse_layers else "", n_params / 1e6, target_dir, fingerprint,
              f", from {cfg.init_from}" if cfg.init_from else "", len(train_hs or ()), width,
              len(distill_hs or ()), 100 * m.distill_fraction if distill_hs else 0, len(val_hs),
              torch.get_num_threads())
@@ -365,10 +424,10 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
         hs = sets[0] if len(sets) == 1 else \
             distill_hs if on_distill_rows(o.seed, step, m.distill_fraction) else train_hs
         idx = torch.randint(0, len(hs), (o.batch_size,), generator=batch_generator(o.seed, step))
-        return hs.batch(idx, device)
+        return *hs.batch(idx, device), hs.batch_features(idx, device)
 
     def train_loss(batch) -> tuple[torch.Tensor, list[float]]:
-        s = mtp_loss(head, target, *batch[:2], m, o.amp, batch[2])
+        s = mtp_loss(head, target, *batch[:2], m, o.amp, batch[2], batch[3])
         return s.loss, [s.loss.item(), s.kl[0], s.reg[0], s.top1[0]]
 
     def save() -> None:
@@ -405,30 +464,33 @@ def target_hidden_states(cfg: MTPTrainConfig, target_dir: str | Path, data: Toke
         if s.numel() and (int(s.max()) >= vocab or int(s.min()) < 0):
             raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
                              f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
+    fuse = None if m.fuse_layers is None else tuple(m.fuse_layers)
     train_hs = distill_hs = None
     if distill is None or (m.distill_fraction < 1.0 and m.num_windows > 0):
         train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width,
                                                              o.seed),
-                                   cache, m.hidden_dtype, device, serving)
+                                   cache, m.hidden_dtype, device, serving, fuse_layers=fuse)
     if distill is None:
         val_hs = load_or_compute(target_dir, first_windows(data.validation, o.eval_windows, width),
-                                 cache, m.hidden_dtype, device, serving)
+                                 cache, m.hidden_dtype, device, serving, fuse_layers=fuse)
         return train_hs, None, val_hs, width
     rows, val_rows = distill["train"], distill["validation"]
     if rows.windows.shape[1] > serving.config.max_position_embeddings:
         raise ValueError(f"--distill-data: rows of {rows.windows.shape[1]} tokens exceed the "
                          f"target's {serving.config.max_position_embeddings} positions")
     distill_hs = load_or_compute(target_dir, rows.windows, cache, m.hidden_dtype, device,
-                                 serving, rows.lengths)
+                                 serving, rows.lengths, fuse)
     n_val = min(o.eval_windows, len(val_rows))
     val_hs = load_or_compute(target_dir, val_rows.windows[:n_val], cache, m.hidden_dtype,
-                             device, serving, val_rows.lengths[:n_val])
+                             device, serving, val_rows.lengths[:n_val], fuse)
     return train_hs, distill_hs, val_hs, width
 
 
 def load_head_weights(head: MTPHead, init_from: str | Path, target_dir: str | Path) -> None:
     """Start from a saved head (``init_from``): same shape and norms; one trained for other
-    target weights is allowed (a starting point) but logged."""
+    target weights is allowed (a starting point) but logged. A fused head from a plain
+    one copies every tensor the two share (norms, ``proj``, the decoder layer) and keeps its
+    fresh ``fc`` and per-layer norms."""
     from safetensors.torch import load_file
     path = Path(init_from)
     cfg_file = path / "config.json"
@@ -438,7 +500,20 @@ def load_head_weights(head: MTPHead, init_from: str | Path, target_dir: str | Pa
     if saved.get("use_norms", True) != head.use_norms:
         raise ValueError(f"init_from {path}: use_norms {saved.get('use_norms')} differs from "
                          f"this config's {head.use_norms}")
-    head.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+    weights = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    theirs = saved.get("fuse_layers")
+    mine = None if head.fuse_layers is None else list(head.fuse_layers)
+    if theirs == mine:
+        head.load_state_dict(weights)
+    elif theirs is None:
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        if unexpected:
+            raise ValueError(f"init_from {path}: tensors {unexpected} have no place in this head")
+        log.info("init_from %s (a plain head): copied %d tensors; fresh: %s", path,
+                 len(weights), ", ".join(missing))
+    else:
+        raise ValueError(f"init_from {path}: fuse_layers {theirs} differ from this config's "
+                         f"{mine}; allowed: the same layers, or a plain head")
     if saved.get("target_fingerprint") != target_fingerprint(target_dir):
         log.warning("init_from %s: trained for target %s, not %s", path,
                     saved.get("target_fingerprint"), target_fingerprint(target_dir))
@@ -446,7 +521,8 @@ def load_head_weights(head: MTPHead, init_from: str | Path, target_dir: str | Pa
 
 def _describe(val: dict) -> str:
     """Validation figures per draft step, e.g. ``ce 5.1/5.2 kl ... reg ... top1 ...``."""
-    return " ".join(f"{k} {_fmt(val[k])}" for k in ("ce", "kl", "reg", "top1"))
+    return " ".join(f"{k} {_fmt(val[k])}" for k in ("ce", "kl", "reg", "top1", "accept")
+                    if k in val)
 
 
 def _fmt(xs: list[float]) -> str:
