@@ -9,6 +9,8 @@ proposers' frequent-token vocabulary. Registered by ``tandem.client.train.cli``.
         --config configs/mtp_selfdistill.json --out checkpoints/demo/mtp
     tandem train mtp-eval --target checkpoints/demo/target --draft checkpoints/demo/draft \\
         --mtp mtp=checkpoints/demo/mtp --mtp mtp_no_norms=.cache/train/mtp-no-norms/head
+    tandem train mtp-offline-eval --target checkpoints/demo/target --distill-data .cache/train/distill \
+        --mtp mtp=checkpoints/demo/mtp --mtp fused=.cache/train/mtp-fused-2/out
 
 ``--data`` is a token cache from ``tandem train lm`` (a directory holding ``tokens.pt``,
 or the file), or a directory of Python sources to tokenize with the target's tokenizer;
@@ -72,6 +74,27 @@ def add_subcommands(sub) -> None:
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--out", default=None, help="write the report as JSON here")
     e.set_defaults(func=run_mtp_eval)
+
+    o = sub.add_parser("mtp-offline-eval",
+                       help="MTP heads (fused ones too) on the same held-out windows with the "
+                            "training forward: top-1, KL, teacher-forced acceptance at k=3")
+    o.add_argument("--target", required=True)
+    o.add_argument("--mtp", action="append", required=True, metavar="NAME=DIR",
+                   help="an MTP head (repeatable)")
+    o.add_argument("--distill-data", default=None,
+                   help="evaluate on its validation rows too (`tandem train distill-data`)")
+    o.add_argument("--data", default=None, help="as for `tandem train mtp` (the corpus's "
+                                                "validation split gives the windows)")
+    o.add_argument("--windows", type=int, default=64, help="corpus validation windows")
+    o.add_argument("--window-len", type=int, default=512)
+    o.add_argument("--hidden-cache", default=".cache/train/mtp-hidden")
+    o.add_argument("--work-dir", default=".cache/train/mtp-offline-eval")
+    o.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    o.add_argument("--device", default="cpu")
+    o.add_argument("--threads", type=int, default=1)
+    o.add_argument("--log", default=None, help="log file (default <work-dir>/eval.log)")
+    o.add_argument("--out", default=None, help="write the report as JSON here")
+    o.set_defaults(func=run_mtp_offline_eval)
 
     f = sub.add_parser("token-frequencies",
                        help="rank the target's tokens by their count in the training data, for "
@@ -152,6 +175,39 @@ def run_mtp_eval(args: argparse.Namespace) -> int:
     report = evaluate_proposers(args.target, proposers, tuple(map(int, args.ks.split(","))),
                                 args.num_prompts, args.new_tokens, args.max_prompt_tokens,
                                 args.dtype, args.device, args.prompts)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run_mtp_offline_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.training.distill import load_distill_rows
+    from tandem.backends.training.hidden_states import first_windows
+    from tandem.backends.training.loop import setup_logging
+    from tandem.backends.training.mtp import load_token_streams
+    from tandem.backends.training.mtp_offline import evaluate_heads, format_report
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    setup_logging(args.log or work / "eval.log")
+    heads = {}
+    for spec in args.mtp:
+        name, sep, path = spec.partition("=")
+        heads[name if sep else Path(spec).name] = path if sep else spec
+    sets = {}
+    if args.distill_data:
+        val = load_distill_rows(args.distill_data, args.target)["validation"]
+        sets["distill validation rows"] = (val.windows, val.lengths)
+    if args.windows > 0:
+        stream = load_token_streams(args.data, args.target, work).validation
+        sets["corpus validation windows"] = (first_windows(stream, args.windows, args.window_len),
+                                             None)
+    report = evaluate_heads(args.target, heads, sets, args.hidden_cache, args.dtype, args.device)
     print(format_report(report))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,20 @@ def test_a_tiny_fused_run_learns(target_dir, tmp_path):
     assert last["top1"][0] > first["top1"][0] and last["ce"][0] < first["ce"][0]
     assert 1.0 <= last["accept"][0] <= 4.0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["fuse_layers"] == [0, 1]
+
+
+def test_offline_evaluation_compares_plain_and_fused_heads_on_the_same_windows(
+        target, target_dir, tmp_path):
+    from tandem.backends.training.mtp_offline import evaluate_heads, format_report
+    torch.manual_seed(0)
+    save_mtp_head(MTPHead(target.config), tmp_path / "plain", torch.float32)
+    save_mtp_head(MTPHead(target.config, fuse_layers=[0, 1]), tmp_path / "fused", torch.float32)
+    windows = torch.randint(3, 300, (3, 16), generator=torch.Generator().manual_seed(2))
+    sets = {"rows": (windows, torch.tensor([16, 9, 12])), "windows": (windows, None)}
+    report = evaluate_heads(target_dir, {"plain": tmp_path / "plain", "fused": tmp_path / "fused"},
+                            sets, tmp_path / "cache", "float32", amp="none")
+    assert report["fused"]["fuse_layers"] == [0, 1] and report["plain"]["fuse_layers"] is None
+    for name in ("plain", "fused"):
+        for s in sets:
+            assert len(report[name][s]["top1"]) == 3 and 1.0 <= report[name][s]["accept"][0] <= 4.0
+    assert format_report(report).count("\n") == 2 + 4 - 1
