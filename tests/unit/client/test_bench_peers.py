@@ -173,8 +173,9 @@ def test_defaults_and_schedule():
     a = parser().parse_args([])
     assert a.dtype in ("float32", "bfloat16") and list(a.concurrency) == [1, 2, 4, 8, 16] and a.repeats == 3
     cfgs = peers.configs(a.servers, a.methods)
-    assert ("vllm", "mtp") not in cfgs and ("tandem", "draft_model") not in cfgs and len(cfgs) == 7
-    assert list(peers.groups(cfgs)) == ["plain", "ngram", "draft"]
+    assert ("vllm", "mtp") not in cfgs and ("tandem", "draft_model") not in cfgs and len(cfgs) == 8
+    assert ("tandem", "auto") in cfgs and ("vllm", "auto") not in cfgs
+    assert list(peers.groups(cfgs)) == ["plain", "ngram", "draft", "auto"]
     assert [peers.rotated(["a", "b"], i) for i in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
 
 
