@@ -25,7 +25,7 @@ class MTPProposer:
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
                  vocab_ids: torch.Tensor | None = None, lazy: bool = False):
-        if head.fuse_layers is not None:    # it would be fed h_i in place of fused features
+        if getattr(head, "fuse_layers", None) is not None:    # it would be fed h_i in place of fused features
             raise ValueError(f"mtp_head: a head with fuse_layers {list(head.fuse_layers)} "
                              "(EAGLE-3-style) is for offline evaluation only; the engine feeds "
                              "the MTP proposer the last hidden state, not those layers' outputs")
