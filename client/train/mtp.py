@@ -175,11 +175,16 @@ def run_mtp_eval(args: argparse.Namespace) -> int:
     report = evaluate_proposers(args.target, proposers, tuple(map(int, args.ks.split(","))),
                                 args.num_prompts, args.new_tokens, args.max_prompt_tokens,
                                 args.dtype, args.device, args.prompts)
-    print(format_report(report))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    return _report(format_report(report), report, args.out)
+
+
+def _report(text: str, report: dict, out: str | None) -> int:
+    """Print an evaluation's table, and write its JSON to ``out`` when given."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}")
     return 0
 
 
@@ -208,9 +213,4 @@ def run_mtp_offline_eval(args: argparse.Namespace) -> int:
         sets["corpus validation windows"] = (first_windows(stream, args.windows, args.window_len),
                                              None)
     report = evaluate_heads(args.target, heads, sets, args.hidden_cache, args.dtype, args.device)
-    print(format_report(report))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    return _report(format_report(report), report, args.out)
