@@ -468,11 +468,12 @@ class LLMEngine:
         if not self.controller.adaptive and None in methods:
             return None   # pinned k: a batch speculates only when every sequence drafts
         bucket = self._bucket(len(seqs))
-        choice = self.controller.plan(bucket, [s.request_id for s in seqs], methods)
+        model = self.proposer.model.name if isinstance(self.proposer, AutoProposer) else None
+        choice = self.controller.plan(bucket, [s.request_id for s in seqs], methods, model)
         self.spec_metrics.record_choice(choice.k, choice.reason)
         if self.controller.choices.get(bucket, 0) % 1024 == 1:    # why it chooses, now and then
             log.info("adaptive speculation, %s", self.controller.describe(bucket))
-        return choice, methods
+        return choice, methods if choice.methods is None else list(choice.methods)
 
     def _propose(self, seqs: list[Sequence], ks: tuple[int, ...],
                  methods: list[str | None]) -> list[list[int]]:

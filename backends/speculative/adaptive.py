@@ -30,7 +30,7 @@ probe fails too), then probes with one speculative round.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 COST_ALPHA = 0.2          # weight of a new step-cost measurement
@@ -77,11 +77,13 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 @dataclass(slots=True, frozen=True)
 class Choice:
     """One step's speculation: k drafts for every sequence that can draft (its entry
-    of ``ks``; 0 for the others), why, and the expected tokens per ms."""
+    of ``ks``; 0 for the others), why, and the expected tokens per ms; ``methods``: who
+    drafts for each sequence, where the plan changed it (None: as it was asked)."""
     k: int
     ks: tuple[int, ...]
     reason: str
     tokens_per_ms: float = field(default=0.0, repr=False, compare=False)
+    methods: tuple[str | None, ...] | None = field(default=None, repr=False, compare=False)
 
 
 def choose_k(step_ms: dict[int, float], acceptances: Sequence[Sequence[float] | None],
@@ -273,17 +275,21 @@ class SpecController:
         self.plain_streak[bucket] = n + 1
         return Choice(0, (), "plain_faster")
 
-    def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None]) -> Choice:
-        """``methods[i]``: what would draft for sequence ``rids[i]`` (None: nothing can)."""
+    def _rates(self, rid: str, method: str | None) -> list[float] | None:
+        """What ``rid`` accepts from ``method``; None where it cannot draft or backs off."""
+        s = None if method is None else self._state(rid, method)
+        return None if s is None or s.backoff > 0 else s.rates
+
+    def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None],
+             model: str | None = None) -> Choice:
+        """``methods[i]``: what would draft for sequence ``rids[i]`` (None: nothing can);
+        ``model``: a proposer that can draft for every one of them (``--spec auto``'s
+        model proposer), weighed too for the whole batch."""
         if not self.adaptive:
             return Choice(self.max_k, tuple(0 if m is None else self.max_k for m in methods), "fixed")
-        acceptances: list[list[float] | None] = []
-        backoff = False
-        for rid, m in zip(rids, methods):
-            s = None if m is None else self._state(rid, m)
-            if s is not None and s.backoff > 0:
-                backoff, s = True, None
-            acceptances.append(None if s is None else s.rates)
+        acceptances = [self._rates(rid, m) for rid, m in zip(rids, methods)]
+        backoff = any(a is None and m is not None for a, m in zip(acceptances, methods))
+        for rid in rids:
             for state in self.seqs.get(rid, {}).values():   # a step passed for every method
                 state.tick()
         if all(a is None for a in acceptances):
@@ -291,20 +297,27 @@ class SpecController:
         if self.costs.estimate(("step", bucket, 0)) is None:   # nothing measured: measure it
             return Choice(self.max_k, tuple(0 if a is None else self.max_k for a in acceptances),
                           "explore")
-        # every drafting sequence, or the ngram ones alone (a model proposer costs more to
-        # draft with and may not pay where prompt lookup does): the better of the two
+        # every drafting sequence by its method, or the ngram ones alone (a model proposer
+        # costs more to draft with and may not pay where prompt lookup does), or all of them
+        # by the model: where a batch's verify step is dear, each row is better off drafting
+        # than riding along with its one token, and the head's drafts for a row that the
+        # prompt lookup matches are often as good as the lookup's
         ngram = [a if m == "ngram" else None for a, m in zip(acceptances, methods)]
-        options = []
+        options: list[tuple[str, list, tuple | None]] = []
         if any(a is not None and m != "ngram" for a, m in zip(acceptances, methods)):
-            options.append(("model", acceptances))
+            options.append(("model", acceptances, None))
         if any(a is not None for a in ngram):
-            options.append(("ngram", ngram))
+            options.append(("ngram", ngram, None))
+            if model is not None:
+                by_model = tuple(None if m is None else model for m in methods)
+                options.append(("model", [self._rates(rid, m) for rid, m in zip(rids, by_model)],
+                                by_model))
         best = None
-        for kind, acc in options:
+        for kind, acc, drafters in options:
             ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
             c = choose_k(ms, acc, self.max_k, SPECULATE_MARGIN, ROW_FLOOR)
             if best is None or c.tokens_per_ms > best.tokens_per_ms * (1 + 1e-9):
-                best = c
+                best = c if drafters is None or c.k == 0 else replace(c, methods=drafters)
         n = self.choices[bucket] = self.choices.get(bucket, 0) + 1
         if n % EXPLORE_EVERY == 0:
             # re-measure the least fresh neighbour of the best k: costs drift with the

@@ -215,6 +215,34 @@ def test_a_model_proposer_that_does_not_pay_keeps_the_batch_plain():
     assert choice.reason == "speculate" and choice.k > 0
 
 
+def test_auto_lets_the_model_draft_for_every_row_when_that_pays():
+    """--spec auto's batch at high load: the prompt lookup matches one row but its drafts
+    are mostly rejected, the head drafts well for the other. By method, the lookup row
+    pays the verify step for little (slows_row); with the head drafting for both rows
+    every one gains, and the plan says the head drafts for the lookup row too."""
+    c = controller(step={0: 10.0, 1: 16.0, 2: 19.0, 3: 22.0}, propose=0.5)
+    for _ in range(10):
+        for accepted in (0, 0, 1):
+            c.observe_accepted("lookup", "ngram", 3, accepted)
+        c.observe_accepted("head", "mtp", 3, 3)
+    assert not c.backing_off("lookup", "ngram")
+    rids, methods = ["lookup", "head"], ["ngram", "mtp"]
+    assert c.plan(1, rids, methods).reason == "slows_row"
+    choice = c.plan(1, rids, methods, model="mtp")
+    assert choice.reason == "speculate" and choice.ks == (choice.k, choice.k) and choice.k > 0
+    assert choice.methods == ("mtp", "mtp")
+    # where the lookup's drafts are accepted, each row drafts by its own method
+    for _ in range(10):
+        c.observe_accepted("lookup", "ngram", 3, 3)
+    assert c.plan(1, rids, methods, model="mtp").methods is None
+
+
+def test_a_plain_choice_keeps_the_methods_it_was_asked():
+    c = controller(step={0: 10.0, 1: 30.0, 2: 40.0, 3: 50.0})
+    choice = c.plan(1, ["a", "b"], ["ngram", None], model="mtp")
+    assert choice.k == 0 and choice.methods is None
+
+
 def test_exploring_measures_a_neighbour_of_the_best_k():
     """Every EXPLORE_EVERY-th choice re-measures a k next to the chosen one, never a far
     one (three drafts each at a big batch cost several plain steps)."""

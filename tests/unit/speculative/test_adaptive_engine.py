@@ -29,20 +29,26 @@ def all_prompts():
 
 class Scripted(SpecController):
     """The controller with its choice replaced by a schedule of k, staggered over the
-    sequences (each drafts on two steps of three); what it learns is kept as usual."""
-    __slots__ = ("schedule", "steps")
+    sequences (each drafts on two steps of three); under --spec auto every fourth step
+    the model drafts for every sequence, ngram matches too. What it learns is kept."""
+    __slots__ = ("schedule", "steps", "handed_over")
 
-    def plan(self, bucket, rids, methods):
+    def plan(self, bucket, rids, methods, model=None):
         n = next(self.steps)
         k = self.schedule[n % len(self.schedule)]
         ks = tuple(0 if m is None or (i + n) % 3 == 0 else k for i, m in enumerate(methods))
-        return Choice(max(ks), ks, "speculate" if max(ks) else "plain_faster")
+        by_model = None if model is None or n % 4 != 1 else \
+            tuple(None if m is None else model for m in methods)
+        if by_model is not None and max(ks):
+            self.handed_over += sum(m == "ngram" and k > 0 for m, k in zip(methods, ks))
+        return Choice(max(ks), ks, "speculate" if max(ks) else "plain_faster", methods=by_model)
 
 
 def script(engine, schedule=SCHEDULE):
     scripted = Scripted(engine.controller.max_k, adaptive=True)
-    scripted.schedule, scripted.steps = schedule, itertools.count()
+    scripted.schedule, scripted.steps, scripted.handed_over = schedule, itertools.count(), 0
     engine.controller = scripted
+    return scripted
 
 
 def make(target_dir, method, proposer_dir=None, **kw):
@@ -105,12 +111,13 @@ def test_an_mtp_head_stays_in_sync_through_plain_and_ngram_steps(target_dir, ran
 def test_auto_drafts_by_ngram_where_the_prompt_matches_and_by_the_model_elsewhere(
         target_dir, random_mtp_dir):
     llm = make(target_dir, "auto", random_mtp_dir)
-    script(llm.engine, [3])
+    scripted = script(llm.engine, [3])
     ps = all_prompts()
     plain = [o.token_ids for o in LLM(target_dir, page_size=4).generate(ps, GREEDY)]
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
     by = llm.engine.spec_metrics.by_method
     assert by["ngram"][0] > 0 and by["mtp"][0] > 0, by
+    assert scripted.handed_over > 0      # rows the prompt matched, drafted by the head
 
 
 def test_pinned_k_keeps_every_step_at_k(target_dir, other_draft_dir):
