@@ -123,9 +123,12 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         torch_ref.append_paged_kv_cache(*args, kv_layout=kv_layout, slots=slots)
 
 
-def append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int):
+def append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int,
+                 kv_layout: str | None = None, num_kv_heads: int | None = None):
     """The physical (page, offset) of each token an append will write, for the
     ``slots`` of :func:`append_paged_kv_cache`; None where FlashInfer computes them itself.
+    Given the cache's layout and KV heads, also the rows its K and V go to in a stacked
+    cache (:func:`~.layout.append_rows`): each layer's append is then one copy.
 
     >>> append_slots(torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([5, 8, 2]),
     ...              torch.tensor([0, 2, 3]), page_size=2)
@@ -133,7 +136,11 @@ def append_slots(batch_indices, positions, kv_indices, kv_indptr, page_size: int
     """
     if flashinfer_impl.wanted(positions):
         return None
-    return layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    page, slot = layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    if kv_layout is None or num_kv_heads is None:
+        return page, slot
+    return page, slot, layout.append_rows(page, slot, layout.check_layout(kv_layout), num_kv_heads,
+                                          page_size)
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices=None, positions=None):

@@ -127,6 +127,27 @@ def token_slots(
     return page, positions % page_size
 
 
+def append_rows(page: torch.Tensor, slot: torch.Tensor, kv_layout: str, num_kv_heads: int,
+                page_size: int) -> torch.Tensor:
+    """Rows of a stacked cache's ``[-1, head_dim]`` view that the appended tokens' K and V
+    go to, in the order of ``stack((k, v), 1)``'s rows: token, then k/v, then head. With
+    them a layer's append is one ``index_copy_``.
+
+    >>> append_rows(torch.tensor([3]), torch.tensor([1]), "HND", num_kv_heads=2, page_size=4)
+    tensor([49, 53, 57, 61])
+    >>> append_rows(torch.tensor([3]), torch.tensor([1]), "NHD", num_kv_heads=2, page_size=4)
+    tensor([50, 51, 58, 59])
+    """
+    page, slot = page.long()[:, None, None], slot.long()[:, None, None]
+    kv = torch.arange(2, device=page.device)[None, :, None]
+    head = torch.arange(num_kv_heads, device=page.device)[None, None, :]
+    if kv_layout == "HND":   # [page, k/v, head, slot]
+        rows = ((page * 2 + kv) * num_kv_heads + head) * page_size + slot
+    else:                    # [page, k/v, slot, head]
+        rows = ((page * 2 + kv) * page_size + slot) * num_kv_heads + head
+    return rows.reshape(-1)
+
+
 def batch_indices_positions(
     append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

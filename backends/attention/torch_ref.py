@@ -215,7 +215,21 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
                           slots=None) -> None:
     """Write ragged K/V ``[nnz, num_kv_heads, head_dim]`` into their pages, in place;
-    ``slots``: their ``layout.token_slots``, if the caller computed them already."""
+    ``slots``: their ``layout.token_slots``, if the caller computed them already, and
+    optionally third their ``layout.append_rows`` (a stacked contiguous cache then takes
+    one ``index_copy_``: a decode step's layers each append a few rows, and the indexed
+    assignment below costs several times more)."""
+    if slots is not None and len(slots) == 3 and not isinstance(paged_kv_cache, (tuple, list)):
+        head_dim = paged_kv_cache.shape[-1]
+        if append_key.shape != append_value.shape or append_key.shape[-1] != head_dim \
+                or slots[2].numel() != 2 * append_key.shape[0] * append_key.shape[1]:
+            raise ValueError(f"append_key/append_value must be [nnz, num_kv_heads, {head_dim}] "
+                             f"as the slots were planned, got {tuple(append_key.shape)} and "
+                             f"{tuple(append_value.shape)}")
+        kv = torch.stack((append_key, append_value), 1).to(paged_kv_cache.dtype)
+        layout.cache_rows(paged_kv_cache, "NHD", True)     # a view only if contiguous
+        paged_kv_cache.view(-1, head_dim).index_copy_(0, slots[2], kv.view(-1, head_dim))
+        return
     layout.check_layout(kv_layout)
     k_cache, v_cache = layout.split_cache(paged_kv_cache, kv_layout)
     page_size, num_kv_heads, head_dim = layout.cache_geometry(k_cache, kv_layout)
@@ -224,7 +238,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             f"append_key/append_value must be [nnz, {num_kv_heads}, {head_dim}], got "
             f"{tuple(append_key.shape)} and {tuple(append_value.shape)}"
         )
-    page, slot = slots or layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    page, slot = slots[:2] if slots is not None else \
+        layout.token_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
     if not isinstance(paged_kv_cache, (tuple, list)):
         # one write for K and V: [page, :, slot] (NHD) or [page, :, :, slot] (HND) puts the
         # token dimension first, then k/v: [nnz, 2, num_kv_heads, head_dim]

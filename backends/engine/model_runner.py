@@ -69,7 +69,7 @@ class PagedAttention:
         t = inputs.page_table
         # every layer appends at the same places: their index maths once per step
         self.slots = append_slots(inputs.batch_indices, inputs.positions, t.kv_indices,
-                                  t.kv_indptr, pool.page_size)
+                                  t.kv_indptr, pool.page_size, pool.kv_layout, pool.num_kv_heads)
 
     def forward(self, layer, q, k, v):
         cache, t = self.pool.layer(layer), self.inputs.page_table

@@ -44,6 +44,7 @@ class _Entry:
     rids: dict = field(default_factory=dict)   # sequence index -> the engine's request id
     all_submitted: bool = False
     cancelled: bool = False
+    ended: bool = False         # its unfinished sequences were aborted (once: the watcher may race)
 
 
 class InFlight:
@@ -95,6 +96,9 @@ class InFlight:
                 return
             if e.all_submitted:
                 del self._entries[key]
+            if e.ended:     # the submitting thread and the watcher both saw it close
+                return
+            e.ended = True
             rids = [rid for i, rid in e.rids.items() if i in e.stream.unfinished()]
         for rid in rids:
             self._engine.abort(rid)

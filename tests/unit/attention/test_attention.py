@@ -256,7 +256,7 @@ def test_get_batch_indices_positions_with_empty_requests_and_out_buffers():
     assert (batch.tolist(), pos.tolist()) == plain_positions(append_lens, seq_lens)
 
 
-@pytest.mark.parametrize("precomputed", [False, True], ids=["slots", "given-slots"])
+@pytest.mark.parametrize("precomputed", [False, True, "rows"], ids=["slots", "given-slots", "given-rows"])
 @pytest.mark.parametrize("as_tuple", [False, True], ids=["5d", "tuple"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
@@ -278,7 +278,9 @@ def test_append_writes_exactly_the_new_slots(kv_layout, page_size, as_tuple, pre
     append_indptr = torch.tensor([0] + append_lens).cumsum(0).int()
     batch, pos = get_batch_indices_positions(append_indptr, torch.tensor(seq_lens).int(), nnz)
     # the engine computes the slots once per step (append_slots) and passes them to every layer
-    slots = append_slots(batch, pos, kv_indices, kv_indptr, page_size) if precomputed else None
+    # (with the layout and heads, also the rows of a 5-D cache: the one-copy path)
+    geometry = (kv_layout, 2) if precomputed == "rows" else ()
+    slots = append_slots(batch, pos, kv_indices, kv_indptr, page_size, *geometry) if precomputed else None
     append_paged_kv_cache(k, v, batch, pos, cache, kv_indices, kv_indptr, last, kv_layout=kv_layout,
                           slots=slots)
 

@@ -874,6 +874,28 @@ def test_in_flight_applies_a_cancellation_that_comes_before_submit_returns():
         in_flight.close("bye")
 
 
+def test_a_stream_that_ended_aborts_its_unfinished_sequences_once():
+    """The submitting thread and the cancel watcher may both see a stream close (a
+    sibling was refused): its running sequences are aborted once, not once per observer."""
+    from tandem.backends.triton.generate_request import GenerateRequest
+    from tandem.backends.triton.in_flight import InFlight
+    from tandem.backends.triton.response_stream import ResponseStream
+
+    engine = FakeEngine("/x")
+    in_flight = InFlight(engine, poll_s=3600)      # the watcher stays asleep: ended() by hand
+    try:
+        stream = ResponseStream(GenerateRequest([1], stream=True, num_return_sequences=2), [].append)
+        in_flight.add("k", Request(), stream)
+        in_flight.started("k", "req-0", 0)
+        assert stream.fail("the pool is too small")
+        in_flight.ended("k")             # the submitting thread
+        in_flight.ended("k")             # the watcher, before submitted() forgets the entry
+        in_flight.submitted("k")
+        assert engine.aborted == ["req-0"] and len(in_flight) == 0
+    finally:
+        in_flight.close("bye")
+
+
 def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(model, pb_utils):
     """Triton cancels the postprocess step that follows a cancelled ensemble, not the engine
     step in flight: postprocess must hand the reply's cancel token back to the llm model."""
