@@ -27,10 +27,9 @@ from pathlib import Path
 from tandem.client.bench.args import ArgumentTypeError, names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
 from tandem.client.bench.openai_load import run_closed_loop, stream_completion, summarize
-from tandem.client.bench.peers_workload import (Prompts, auto_dtype, body, cpu_info, requests_per_level,
-                                                tree_cpu_s)
+from tandem.client.bench.peers_workload import Prompts, auto_dtype, body, requests_per_level, tree_cpu_s
 from tandem.client.bench.repeats import error_bars, fmt, spread
-from tandem.client.bench.report import header, save_figure, write
+from tandem.client.bench.report import cpu_info, header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/peers.json")

@@ -17,26 +17,6 @@ from pathlib import Path
 
 from tandem.client.serve.process_group import live_processes
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def cpu_info(cpuinfo: str | None = None) -> dict:
-    """The CPU's model name and which of :data:`CPU_FLAGS` it has."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model, flags = "unknown", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count()}
-
-
 def auto_dtype(info: dict) -> str:
     """bf16 only where the CPU computes it natively; fp32 otherwise (bf16 emulated on
     AVX2 is several times slower).

@@ -31,11 +31,11 @@ from tandem.client.bench.args import names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
 from tandem.client.bench.openai_load import run_closed_loop, stream_completion
 from tandem.client.bench.peers import SETTLE_S, dtype, git_state, ratio
-from tandem.client.bench.peers_workload import Prompts, body, cpu_info
+from tandem.client.bench.peers_workload import Prompts, body
 from tandem.client.bench.prefix_workload import (chat_context_tokens, conversations, level_stats, offsets,
                                                  pieces_per_level, system_prompts)
 from tandem.client.bench.repeats import error_bars, fmt, interleaved, spread
-from tandem.client.bench.report import header, save_figure, write
+from tandem.client.bench.report import cpu_info, header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/prefix.json")

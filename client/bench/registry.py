@@ -5,7 +5,10 @@ and ``run(args) -> int``; list it in :data:`BENCHMARKS`.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import signal
+import threading
 
 BENCHMARKS = {
     "engine": "decode tokens/s of the engine against HF transformers generate",
@@ -39,4 +42,24 @@ def add_parser(subparsers) -> None:
         mod = importlib.import_module(f"tandem.client.bench.{name.replace('-', '_')}")
         bp = sub.add_parser(name, help=help_text)
         mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+        bp.set_defaults(func=stopping_servers_on_sigterm(mod.run))
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def stopping_servers_on_sigterm(run):
+    """``run`` with SIGTERM raised as SystemExit: a benchmark stopped by ``kill`` or
+    ``timeout`` unwinds its ``with`` blocks and so stops the servers it started (by
+    default the signal would end the process and leave them running)."""
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            return run(args)    # only the main thread may set a handler
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            return run(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return wrapped

@@ -10,6 +10,25 @@ import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and which of :data:`CPU_FLAGS` it has."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "unknown", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count()}
+
 
 def header(name: str, args: argparse.Namespace) -> dict:
     """``benchmark``, ``date``, ``machine`` (with the load average: a shared host shows
@@ -20,6 +39,7 @@ def header(name: str, args: argparse.Namespace) -> dict:
         load = ""
     return {"benchmark": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()};{load}",
+            "cpu": cpu_info(),   # bf16 runs ~60x slower without avx512_bf16/amx: compare within a CPU
             "command": command(name, args)}
 
 

@@ -12,7 +12,8 @@ from tandem.client.bench import peers
 from tandem.client.bench.openai_load import (ChunkedDecoder, SSEParser, StreamResult, closed_loop, parse_event,
                                              percentile, summarize)
 from tandem.client.bench.peer_servers import spec_config, tandem_command, vllm_command
-from tandem.client.bench.peers_workload import auto_dtype, body, cpu_info, kinds, requests_per_level
+from tandem.client.bench.peers_workload import auto_dtype, body, kinds, requests_per_level
+from tandem.client.bench.report import cpu_info
 
 # what vLLM 0.32's /v1/completions streams with stream_options.include_usage
 VLLM_STREAM = (
