@@ -280,11 +280,24 @@ class SpecController:
         s = None if method is None else self._state(rid, method)
         return None if s is None or s.backoff > 0 else s.rates
 
+    def _better(self, rid: str, method: str | None, model: str) -> str | None:
+        """Who drafts ``rid`` better at k = max_k: ``method`` (the prompt lookup) or
+        ``model``; a tie keeps ``method`` (cheaper), a method that cannot draft or backs off
+        loses to one that can."""
+        if method != "ngram":
+            return method
+        own, other = self._rates(rid, method), self._rates(rid, model)
+        if other is None:
+            return method
+        if own is None or expected_tokens(other, self.max_k) > expected_tokens(own, self.max_k):
+            return model
+        return method
+
     def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None],
              model: str | None = None) -> Choice:
         """``methods[i]``: what would draft for sequence ``rids[i]`` (None: nothing can);
         ``model``: a proposer that can draft for every one of them (``--spec auto``'s
-        model proposer), weighed too for the whole batch."""
+        model proposer), weighed too for each row the prompt lookup matches."""
         if not self.adaptive:
             return Choice(self.max_k, tuple(0 if m is None else self.max_k for m in methods), "fixed")
         acceptances = [self._rates(rid, m) for rid, m in zip(rids, methods)]
@@ -298,10 +311,11 @@ class SpecController:
             return Choice(self.max_k, tuple(0 if a is None else self.max_k for a in acceptances),
                           "explore")
         # every drafting sequence by its method, or the ngram ones alone (a model proposer
-        # costs more to draft with and may not pay where prompt lookup does), or all of them
-        # by the model: where a batch's verify step is dear, each row is better off drafting
-        # than riding along with its one token, and the head's drafts for a row that the
-        # prompt lookup matches are often as good as the lookup's
+        # costs more to draft with and may not pay where prompt lookup does), or each
+        # ngram-matched row by whichever of the lookup and the model drafts it better:
+        # where a batch's verify step is dear, a row is better off drafting than riding
+        # along with its one token (a lookup that backs off, or is mostly rejected), and
+        # the head's drafts for a matched row are often as good as the lookup's
         ngram = [a if m == "ngram" else None for a, m in zip(acceptances, methods)]
         options: list[tuple[str, list, tuple | None]] = []
         if any(a is not None and m != "ngram" for a, m in zip(acceptances, methods)):
@@ -309,9 +323,10 @@ class SpecController:
         if any(a is not None for a in ngram):
             options.append(("ngram", ngram, None))
             if model is not None:
-                by_model = tuple(None if m is None else model for m in methods)
-                options.append(("model", [self._rates(rid, m) for rid, m in zip(rids, by_model)],
-                                by_model))
+                better = tuple(self._better(rid, m, model) for rid, m in zip(rids, methods))
+                if better != tuple(methods):
+                    options.append(("model", [self._rates(rid, m) for rid, m in zip(rids, better)],
+                                    better))
         best = None
         for kind, acc, drafters in options:
             ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}

@@ -237,6 +237,26 @@ def test_auto_lets_the_model_draft_for_every_row_when_that_pays():
     assert c.plan(1, rids, methods, model="mtp").methods is None
 
 
+def test_auto_drafts_each_matched_row_by_whichever_proposer_drafts_it_better():
+    """Two rows the prompt lookup matches: for one its drafts have collapsed (it backs
+    off), for the other they are accepted; the head drafts well only for the first. By
+    method the backing-off row rides along with one token (slows_row); with the head for
+    every row the second row loses its lookup's long drafts; each row by its better
+    proposer speculates, and the plan says who drafts which."""
+    c = controller(step={0: 10.0, 1: 16.0, 2: 19.0, 3: 22.0}, propose=0.5)
+    for _ in range(10):
+        c.observe_accepted("collapsed", "ngram", 3, 0)
+        c.observe_accepted("collapsed", "mtp", 3, 3)
+        c.observe_accepted("repeating", "ngram", 3, 3)
+        c.observe_accepted("repeating", "mtp", 3, 0)
+    assert c.backing_off("collapsed", "ngram") and not c.backing_off("repeating", "ngram")
+    rids, methods = ["collapsed", "repeating"], ["ngram", "ngram"]
+    assert c.plan(1, rids, methods).reason == "slows_row"
+    choice = c.plan(1, rids, methods, model="mtp")
+    assert choice.reason == "speculate" and choice.k == 3 and choice.ks == (3, 3)
+    assert choice.methods == ("mtp", "ngram")
+
+
 def test_a_plain_choice_keeps_the_methods_it_was_asked():
     c = controller(step={0: 10.0, 1: 30.0, 2: 40.0, 3: 50.0})
     choice = c.plan(1, ["a", "b"], ["ngram", None], model="mtp")

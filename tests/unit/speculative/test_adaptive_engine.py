@@ -30,7 +30,8 @@ def all_prompts():
 class Scripted(SpecController):
     """The controller with its choice replaced by a schedule of k, staggered over the
     sequences (each drafts on two steps of three); under --spec auto every fourth step
-    the model drafts for every sequence, ngram matches too. What it learns is kept."""
+    the model drafts for every other sequence the prompt lookup matches, so matched rows
+    of one step draft by either proposer. What it learns is kept."""
     __slots__ = ("schedule", "steps", "handed_over")
 
     def plan(self, bucket, rids, methods, model=None):
@@ -38,9 +39,9 @@ class Scripted(SpecController):
         k = self.schedule[n % len(self.schedule)]
         ks = tuple(0 if m is None or (i + n) % 3 == 0 else k for i, m in enumerate(methods))
         by_model = None if model is None or n % 4 != 1 else \
-            tuple(None if m is None else model for m in methods)
+            tuple(model if m == "ngram" and i % 2 == n % 8 // 4 else m for i, m in enumerate(methods))
         if by_model is not None and max(ks):
-            self.handed_over += sum(m == "ngram" and k > 0 for m, k in zip(methods, ks))
+            self.handed_over += sum(m != b and k > 0 for m, b, k in zip(methods, by_model, ks))
         return Choice(max(ks), ks, "speculate" if max(ks) else "plain_faster", methods=by_model)
 
 
