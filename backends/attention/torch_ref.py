@@ -227,8 +227,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                              f"as the slots were planned, got {tuple(append_key.shape)} and "
                              f"{tuple(append_value.shape)}")
         kv = torch.stack((append_key, append_value), 1).to(paged_kv_cache.dtype)
-        layout.cache_rows(paged_kv_cache, "NHD", True)     # a view only if contiguous
-        paged_kv_cache.view(-1, head_dim).index_copy_(0, slots[2], kv.view(-1, head_dim))
+        rows = layout.cache_rows(paged_kv_cache, "NHD", True).view(-1, head_dim)   # contiguous only
+        rows.index_copy_(0, slots[2], kv.view(-1, head_dim))
         return
     layout.check_layout(kv_layout)
     k_cache, v_cache = layout.split_cache(paged_kv_cache, kv_layout)

@@ -280,18 +280,18 @@ class SpecController:
         s = None if method is None else self._state(rid, method)
         return None if s is None or s.backoff > 0 else s.rates
 
-    def _better(self, rid: str, method: str | None, model: str) -> str | None:
-        """Who drafts ``rid`` better at k = max_k: ``method`` (the prompt lookup) or
-        ``model``; a tie keeps ``method`` (cheaper), a method that cannot draft or backs off
-        loses to one that can."""
+    def _better(self, rid: str, method: str | None, model: str) -> tuple[str | None, list[float] | None]:
+        """Who drafts ``rid`` better at k = max_k, and its acceptance: ``method`` (the
+        prompt lookup) or ``model``; a tie keeps ``method`` (cheaper), a method that cannot
+        draft or backs off loses to one that can."""
+        own = self._rates(rid, method)
         if method != "ngram":
-            return method
-        own, other = self._rates(rid, method), self._rates(rid, model)
-        if other is None:
-            return method
-        if own is None or expected_tokens(other, self.max_k) > expected_tokens(own, self.max_k):
-            return model
-        return method
+            return method, own
+        other = self._rates(rid, model)
+        if other is not None and (own is None or
+                                  expected_tokens(other, self.max_k) > expected_tokens(own, self.max_k)):
+            return model, other
+        return method, own
 
     def plan(self, bucket: int, rids: Sequence[str], methods: Sequence[str | None],
              model: str | None = None) -> Choice:
@@ -323,10 +323,10 @@ class SpecController:
         if any(a is not None for a in ngram):
             options.append(("ngram", ngram, None))
             if model is not None:
-                better = tuple(self._better(rid, m, model) for rid, m in zip(rids, methods))
+                picks = [self._better(rid, m, model) for rid, m in zip(rids, methods)]
+                better = tuple(m for m, _ in picks)
                 if better != tuple(methods):
-                    options.append(("model", [self._rates(rid, m) for rid, m in zip(rids, better)],
-                                    better))
+                    options.append(("model", [a for _, a in picks], better))
         best = None
         for kind, acc, drafters in options:
             ms = {k: self.step_ms(bucket, k, kind) for k in range(self.max_k + 1)}
