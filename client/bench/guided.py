@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 from pathlib import Path
 
 from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.report import header, write
+from tandem.client.bench.stats import percentile
 
 DEMO = Path("checkpoints/demo")
 DEFAULT_OUT = Path("docs/bench/guided.json")
@@ -123,7 +123,7 @@ def latency(args) -> list[dict]:
                     acc[name] = (acc[name][0] + g, acc[name][1] + t, acc[name][2] + s)
             row = dict(method=method, batch=batch)
             for name, (g, t, s) in acc.items():
-                row[name] = dict(itl_p50_ms=1e3 * statistics.median(g), itl_p99_ms=1e3 * _p99(g),
+                row[name] = dict(itl_p50_ms=1e3 * percentile(g, 50), itl_p99_ms=1e3 * percentile(g, 99),
                                  tokens_per_s=t / s, tokens=t)
             row["itl_p50_ratio"] = row["guided"]["itl_p50_ms"] / row["free"]["itl_p50_ms"]
             rows.append(row)
@@ -131,10 +131,6 @@ def latency(args) -> list[dict]:
                   f"{row['guided']['itl_p50_ms']:.2f} ms ({row['itl_p50_ratio']:.3f}x), tok/s "
                   f"{row['free']['tokens_per_s']:.1f} -> {row['guided']['tokens_per_s']:.1f}", flush=True)
     return rows
-
-
-def _p99(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
 def validity(args) -> list[dict]:

@@ -23,8 +23,8 @@ from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_table, ratios_to_best,
                             summarize_runs)
 from tandem.client.bench.report import header, save_figure, write
+from tandem.client.bench.stats import percentile
 from tandem.client.paths import DEMO_CHECKPOINTS
-from tandem.client.bench.serving_workload import percentile
 
 DEFAULT_OUT = Path("docs/bench/load.json")
 # mode -> (tandem serve --mode, --disagg-policy, the ensemble called)

@@ -41,6 +41,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tandem.client.bench.stats import percentile
 from tandem.client.paths import CACHE
 
 LIB_DIR = CACHE / "perf_analyzer" / "lib"
@@ -152,15 +153,13 @@ class LatencyStats:
 
     @classmethod
     def from_samples_us(cls, samples: list[float]) -> "LatencyStats":
-        """Nearest-rank percentiles, as perf_analyzer computes its own."""
+        """The benchmarks' percentiles (:func:`~.stats.percentile`), so that a TTFT from
+        here compares with every other benchmark's; perf_analyzer's own latencies (the
+        CSV's) are nearest-rank, its definition."""
         if not samples:
             return cls(math.nan, math.nan, math.nan, math.nan, math.nan)
         s = sorted(samples)
-
-        def pct(p: int) -> float:
-            return s[max(0, math.ceil(p / 100 * len(s)) - 1)] / 1e3
-
-        return cls(sum(s) / len(s) / 1e3, pct(50), pct(90), pct(95), pct(99))
+        return cls(sum(s) / len(s) / 1e3, *(percentile(s, p) / 1e3 for p in (50, 90, 95, 99)))
 
 
 @dataclass(slots=True)
