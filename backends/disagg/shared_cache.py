@@ -1,7 +1,7 @@
 """Decode's prefix cache on the shared pool: the engine's caching allocator over
 :class:`tandem.rdma.SharedKVPool`.
 
-The engine sees the interface of :class:`~tandem.backends.kv_cache.prefix_cache.CachingAllocator`
+The engine sees a :class:`~tandem.backends.kv_cache.prefix_cache.CachingKVAllocator`
 (allocate, free, match, publish, withdraw, reset); the pool keeps which pages are
 cached, pinned by kv_transfer's reservations or evictable, so kv_transfer can look a
 prompt up and reserve only what decode lacks. This process counts its own references
@@ -32,9 +32,10 @@ from ..kv_cache.prefix_cache import CacheStats
 
 class SharedCachingAllocator(SharedPageAllocator):
     """Prefix caching on a shared pool this process (decode) owns the cache of; its
-    free count includes evictable cached pages."""
+    free count includes evictable cached pages: a
+    :class:`~tandem.backends.kv_cache.prefix_cache.CachingKVAllocator`."""
 
-    caching = True
+    caching = True   # read by LLMEngine until it checks isinstance(a, CachingKVAllocator)
 
     def __init__(self, pool: SharedKVPool, root: bytes):
         if not pool.caching:

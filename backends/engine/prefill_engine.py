@@ -98,7 +98,7 @@ class PrefillEngine:
                  proposer: tuple[str, ProposerPrefill] | None = None,
                  prefix: PrefixCaching | None = None):
         """``proposer``: (its KV name, the filler of its KV) with speculation;
-        ``prefix``: prefix caching on ``allocator`` (a :class:`CachingAllocator`)."""
+        ``prefix``: prefix caching on ``allocator`` (a :class:`CachingKVAllocator`)."""
         self.model, self.pool, self.allocator = model, pool, allocator
         self.prefix = prefix
         self.proposer_name, self.proposer = proposer or (None, None)
@@ -174,8 +174,8 @@ class PrefillEngine:
                 queue.remove(req)
         self.finished.pop(request_id, None)
         if self.prefix is not None and req.pages:
-            self.allocator.withdraw(req.pages[req.num_cached // self.pool.page_size:
-                                              req.num_published])
+            self.prefix.withdraw_pages(req.pages, req.num_cached // self.pool.page_size,
+                                       req.num_published)
         self._free(req)
         return True
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..kv_cache.page_hash import page_keys, root_key
-from ..kv_cache.prefix_cache import CachingAllocator
+from ..kv_cache.prefix_cache import CachingKVAllocator
 from .config import EngineConfig
 from .sequence import Sequence
 
@@ -76,18 +76,19 @@ class PrefixCaching:
     model fingerprint and version) start every key chain, with the request's salt.
 
     The methods on page lists and keys (:meth:`keys`, :meth:`take`,
-    :meth:`num_publishable`, :meth:`publish_pages`, :meth:`count_lookup`) are what the
-    prefill engine uses for its requests; :meth:`match`, :meth:`publish` and
-    :meth:`withdraw` apply them to the colocated engine's sequences.
+    :meth:`num_publishable`, :meth:`publish_pages`, :meth:`withdraw_pages`,
+    :meth:`count_lookup`) are what the prefill engine uses for its requests;
+    :meth:`match`, :meth:`publish` and :meth:`withdraw` apply them to the colocated
+    engine's sequences. Nothing else withdraws from the allocator.
     """
-    allocator: CachingAllocator
+    allocator: CachingKVAllocator
     page_size: int
     extra_keys: tuple
     lookahead: int = 0          # tokens after a page its KV depends on (MTP: 1)
     proposer_kv: bool = False   # a draft model's or MTP head's KV is cached too
 
     @classmethod
-    def for_config(cls, config: EngineConfig, allocator: CachingAllocator) -> "PrefixCaching":
+    def for_config(cls, config: EngineConfig, allocator: CachingKVAllocator) -> "PrefixCaching":
         """The keys an engine of ``config`` makes: its model fingerprint and version, one
         token of lookahead with an MTP head, the proposer's KV cached with a KV proposer."""
         spec = config.speculative
@@ -117,6 +118,12 @@ class PrefixCaching:
         leaves its page private)."""
         for p in range(start, end):
             self.allocator.publish(pages[p], keys[p])
+
+    def withdraw_pages(self, pages: list[int], start: int, end: int) -> int:
+        """A request failed or was cancelled: what it published of ``pages[start:end]``
+        that nobody else holds leaves the cache (pages another request shares stay).
+        Returns how many pages left."""
+        return self.allocator.withdraw(pages[start:end])
 
     def count_lookup(self, queried_pages: int, hit_pages: int) -> None:
         """An admitted request looked ``queried_pages`` up and found ``hit_pages``."""
@@ -166,7 +173,7 @@ class PrefixCaching:
     def withdraw(self, seq: Sequence) -> None:
         """``seq`` failed or was cancelled: what it published that nobody else holds
         leaves the cache (pages another request shares stay)."""
-        self.allocator.withdraw(seq.pages[seq.num_matched_pages:seq.num_published])
+        self.withdraw_pages(seq.pages, seq.num_matched_pages, seq.num_published)
 
     def reset(self) -> int:
         return self.allocator.reset()

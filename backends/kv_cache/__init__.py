@@ -3,6 +3,7 @@ Names load on first use (``pages`` is torch-free)."""
 from ..lazy import lazy_exports
 
 _EXPORTS = {"KVAllocator": ".allocator", "OutOfPages": ".allocator", "PageAllocator": ".allocator",
+            "CachingKVAllocator": ".prefix_cache", "CachingAllocator": ".prefix_cache",
             "KVPagePool": ".page_pool", "page_shape": ".page_pool", "KV_LAYOUTS": ".pages",
             "pages_needed": ".pages", "last_page_len": ".pages", "PageTable": ".page_table",
             "build_page_table": ".page_table"}

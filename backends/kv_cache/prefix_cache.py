@@ -6,6 +6,7 @@ by reference count instead of recomputing. A freed cached page is not erased: it
 in a least-recently-used queue and is evicted (its key dropped) only when an
 allocation finds no never-cached page left. A page is only ever handed out, evicted or
 rewritten at reference count 0, so a page that some sequence holds is never touched.
+:class:`CachingKVAllocator` writes that contract down for every caching allocator.
 
 >>> a = CachingAllocator(4)
 >>> p = a.alloc(2); a.publish(p[0], b"k0"), a.publish(p[1], b"k1")
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from .allocator import OutOfPages
+from .allocator import KVAllocator, OutOfPages
 
 
 @dataclass(slots=True)
@@ -35,10 +37,76 @@ class CacheStats:
     resets: int = 0
 
 
-class CachingAllocator:
-    """:class:`~.allocator.KVAllocator` whose freed full pages stay cached until needed."""
+@runtime_checkable
+class CachingKVAllocator(KVAllocator, Protocol):
+    """A :class:`~.allocator.KVAllocator` that keeps a prefix cache: the contract
+    :class:`~tandem.backends.engine.prefix_caching.PrefixCaching` relies on, kept by
+    :class:`CachingAllocator` (one process) and by
+    :class:`~tandem.backends.disagg.shared_cache.SharedCachingAllocator` (decode's cache
+    on the pool shared with kv_transfer). ``isinstance(a, CachingKVAllocator)`` tells a
+    caching allocator from a plain one.
 
-    caching = True
+    Pages and references: every page a caller holds has a reference count of at least
+    one (``ref_count``); ``alloc``/``try_alloc`` hand out pages at count 1 with no key,
+    ``match`` adds one reference to each page it returns, ``free`` drops one, and a
+    page is handed out, evicted or rewritten only at count 0 (on the shared pool: also
+    while no reservation of kv_transfer's shares it). So a page somebody holds is never
+    touched.
+
+    Publish: ``publish(page, key)`` caches a held page whose KV is complete under its
+    hash-chain key (:mod:`.page_hash`) and returns True; it returns False, leaving the
+    page private, when the key is cached already (another sequence computed the same
+    page) or the page has a key (on the shared pool: also when this process no longer
+    owns the cache). Publishing a page the caller does not hold raises ValueError.
+    Keys are unique: at most one page is cached under a key.
+
+    Lookup: ``lookup(keys)`` counts the longest cached prefix of ``keys`` (stopping at
+    the first miss) and takes nothing; ``match(keys)`` takes a reference to the pages
+    of that prefix, in order (the caller frees them like its own pages).
+
+    Eviction: a cached page whose count drops to 0 stays cached and *evictable*; it
+    counts in ``num_free``, and an allocation that finds no page without a key takes
+    the least recently freed evictable page, dropping its key (``stats.evictions``).
+    ``free`` returns a sequence's pages last first, so its first pages — the ones
+    other prompts share — are evicted last.
+
+    Withdraw: ``withdraw(pages)`` unpublishes those of ``pages`` nobody but the caller
+    holds (their sequence failed or was cancelled: its KV may be torn) and returns how
+    many; pages another holder shares stay cached. The caller still holds all of them
+    and frees them afterwards; a withdrawn page then goes back as a plain free page.
+    Only :class:`~tandem.backends.engine.prefix_caching.PrefixCaching` withdraws.
+
+    Reset: ``reset()`` drops every key (a new model version); held pages stay with
+    their holders, evictable ones become free. Returns how many pages were cached.
+
+    ``num_cached`` counts the pages with a key; ``stats`` the lookups (counted by the
+    engine), evictions and resets since start.
+    """
+
+    @property
+    def num_cached(self) -> int: ...
+
+    @property
+    def stats(self) -> CacheStats: ...
+
+    def ref_count(self, page: int) -> int: ...
+
+    def lookup(self, keys: list[bytes]) -> int: ...
+
+    def match(self, keys: list[bytes]) -> list[int]: ...
+
+    def publish(self, page: int, key: bytes) -> bool: ...
+
+    def withdraw(self, pages: list[int]) -> int: ...
+
+    def reset(self) -> int: ...
+
+
+class CachingAllocator:
+    """:class:`CachingKVAllocator` in one process: freed full pages stay cached until
+    needed."""
+
+    caching = True   # read by LLMEngine until it checks isinstance(a, CachingKVAllocator)
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
