@@ -1,7 +1,7 @@
 """What the benchmarks share besides their reports (``report``), their options' types
-(``args``), their repeats' statistics (``repeats``) and their server client
-(``streaming_client``): a timer, the run's temp dir, the one way they start a server,
-and the model and prompts the serving benchmarks send.
+(``args``), their repeats' statistics (``repeats``), their percentile (``stats``) and
+their request client (``request_client``): a timer, the run's temp dir, the one way
+they start a server, and the model and prompts the serving benchmarks send.
 
 >>> timed(lambda: sum(range(1000)), repeats=3) < 1.0
 True

@@ -17,23 +17,25 @@ inflates it by tens of percent), so ``--compare REV[,REV2]`` measures the code o
 revision ``REV`` and this tree (or ``REV2``) side by side in one run: each in its own
 server and worker process (a revision's packages from ``git archive``, put first on
 ``PYTHONPATH``), their rounds interleaved (A B, B A, ...), medians with min–max over
-the rounds.
+the rounds. The benchmark's own code (``client/bench``: its request client is the load
+generator, a hop of the gRPC path) is this tree's in every version, so that only the
+served code differs.
 """
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from tandem.client.bench.args import add_dtype, names, positive_int
 from tandem.client.bench.harness import prompt_texts, start_server, work_dir
+from tandem.client.bench.openai_load import run_closed_loop
 from tandem.client.bench.report import header, write
+from tandem.client.bench.request_client import RequestInput, TritonStream
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/hops.json")
@@ -76,92 +78,33 @@ def processes(server, frontend_pid: int | None) -> dict[str, int]:
     return procs
 
 
-# -- the load -----------------------------------------------------------------------------
+# -- the load (the one request client: a hop too) ----------------------------------------
 def grpc_round(url: str, prompts: list[str], tokens: int) -> tuple[int, int]:
     """One round over one gRPC stream; returns (tokens, responses with outputs)."""
-    import tritonclient.grpc as grpcclient
-
-    from tandem.client.generate import build_inputs, parse_response
-
-    done = threading.Event()
-    lock = threading.Lock()
-    state = {"open": len(prompts), "tokens": 0, "responses": 0, "errors": []}
-
-    def on_response(result, error):
-        with lock:
-            if error is not None:
-                state["errors"].append(str(error))
-                state["open"] -= 1
-            else:
-                r = parse_response(result)
-                if result.get_response().outputs:
-                    state["responses"] += 1
-                if r.final:
-                    state["open"] -= 1
-                    state["tokens"] += r.num_output_tokens
-            if state["open"] <= 0:
-                done.set()
-
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=on_response)
+    stream = TritonStream(url, "tandem")
     try:
-        for i, prompt in enumerate(prompts):
-            client.async_stream_infer("tandem", build_inputs(prompt, max_tokens=tokens, min_tokens=tokens,
-                                                             stream=True, temperature=0.0),
-                                      request_id=str(i), enable_empty_final_response=True)
-        if not done.wait(600):
-            raise RuntimeError("the gRPC round did not finish in 600 s")
+        for prompt in prompts:
+            stream.send(RequestInput(prompt, tokens, min_tokens=tokens))
+        try:
+            outs = stream.wait(len(prompts), 600)
+        except TimeoutError:
+            raise RuntimeError("the gRPC round did not finish in 600 s") from None
     finally:
-        client.stop_stream()
-        client.close()
-    if state["errors"]:
-        raise RuntimeError(f"gRPC errors: {state['errors'][:3]}")
-    return state["tokens"], state["responses"]
-
-
-def openai_stream(host: str, port: int, prompt: str, tokens: int) -> tuple[int, int]:
-    """One streamed completion; returns (completion tokens, SSE chunks with text)."""
-    body = json.dumps({"model": "tandem", "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
-                       "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection(host, port, timeout=600)
-    try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        chunks, usage = 0, 0
-        for line in resp:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]["completion_tokens"]
-            if any(c.get("text") for c in event.get("choices", [])):
-                chunks += 1
-        return usage, chunks
-    finally:
-        conn.close()
+        stream.close()
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"gRPC errors: {errors[:3]}")
+    return sum(o.tokens for o in outs), sum(o.responses for o in outs)
 
 
 def openai_round(host: str, port: int, prompts: list[str], tokens: int) -> tuple[int, int]:
-    results: list = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = openai_stream(host, port, prompts[i], tokens)
-        except Exception as exc:   # noqa: BLE001 - reported below
-            results[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [r for r in results if isinstance(r, Exception)]
+    """Every prompt streamed at once; returns (completion tokens, SSE chunks with text)."""
+    outs, _ = run_closed_loop(host, port, [RequestInput(p, tokens, min_tokens=tokens) for p in prompts],
+                              len(prompts))
+    errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"OpenAI errors: {errors[:3]}")
-    return sum(r[0] for r in results), sum(r[1] for r in results)
+    return sum(o.output_tokens or 0 for o in outs), sum(len(o.chunk_s) for o in outs)
 
 
 def start_frontend(grpc_url: str, model_dir: Path, port: int) -> subprocess.Popen:
@@ -177,13 +120,6 @@ def start_frontend(grpc_url: str, model_dir: Path, port: int) -> subprocess.Pope
     return proc
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- one version of the code: a worker process with its server -------------------------
 class Worker:
     """Serves one version of the code: its own server and frontend, one measured round
@@ -196,6 +132,7 @@ class Worker:
         from contextlib import ExitStack
 
         from tandem.client.serve.options import ServeOptions
+        from tandem.client.serve.triton_server import free_port
 
         shim = os.environ.get(SHIM_ENV)
         if shim:
@@ -276,7 +213,10 @@ def read_line(worker: subprocess.Popen) -> dict:
 
 def revision_tree(rev: str, work: Path) -> Path:
     """A directory to put first on ``PYTHONPATH`` so that ``tandem`` is revision ``rev``'s
-    (its backends, client and rdma packages and model repository, from ``git archive``)."""
+    (its backends, client and rdma packages and model repository, from ``git archive``)
+    but for ``client/bench``, this tree's."""
+    import shutil
+
     from tandem.client.paths import REPO_ROOT
 
     src = work / "rev"
@@ -284,6 +224,8 @@ def revision_tree(rev: str, work: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", rev, "backends", "client", "rdma",
                               "model_repository"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    shutil.rmtree(src / "client" / "bench", ignore_errors=True)
+    shutil.copytree(Path(__file__).parent, src / "client" / "bench", ignore=shutil.ignore_patterns("__pycache__"))
     shim = work / "shim" / "tandem"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("")

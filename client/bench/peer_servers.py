@@ -1,7 +1,8 @@
-"""The servers ``tandem bench peers`` compares, each a child process with an OpenAI API
-on loopback: ``tandem serve`` (the frontend in its own process, as a user runs it)
-and vLLM's CPU build from its own virtual environment (``.venv-peers/``, made on first
-use: vLLM pins its own torch and many packages that must not touch Tandem's venv).
+"""The servers ``tandem bench peers`` and ``prefix`` compare, each a child process with
+an OpenAI API on loopback: ``tandem serve`` (the frontend in its own process, as a user
+runs it) and vLLM's CPU build from its own virtual environment (``.venv-peers/``, made
+on first use: vLLM pins its own torch and many packages that must not touch Tandem's
+venv); all of a comparison started at once (:func:`start_all`).
 
 >>> spec_config("ngram", 3, None)
 {'method': 'ngram', 'num_speculative_tokens': 3, 'prompt_lookup_max': 3, 'prompt_lookup_min': 1}
@@ -30,6 +31,8 @@ NGRAM_LOOKUP = (1, 3)
 SERVED_NAME = "tandem"       # both serve the checkpoint under this model id
 # a busy shared host stretches a start (vLLM's ~2 min, Tandem's warm-up compiles) several fold
 READY_TIMEOUT_S = 900
+# a pause before each level: the previous server's spinning threads wind down
+SETTLE_S = 1.0
 
 
 class PeerError(RuntimeError):
@@ -187,3 +190,17 @@ def wait_ready(servers: list[OpenAIServer], timeout_s: float = READY_TIMEOUT_S) 
             late = [s for s in servers if s.ready_s is None]
             raise PeerError(f"{late[0].name} not ready after {timeout_s:.0f} s:\n{late[0].log_tail()}")
         time.sleep(1.0)
+
+
+def start_all(stack, launches: dict, work: Path) -> dict:
+    """``{key: (name, cmd, env, port)}`` started at once (their loading overlaps), each
+    stopped by ``stack`` (an ExitStack), then awaited: ``{key: OpenAIServer}``."""
+    servers = {}
+    for key, (name, cmd, env, port) in launches.items():
+        srv = OpenAIServer(name, cmd, env, port, work / f"{name}.log")
+        stack.callback(srv.stop)
+        servers[key] = srv.start()
+    wait_ready(list(servers.values()))
+    for srv in servers.values():
+        print(f"  {srv.name} ready in {srv.ready_s:.0f} s (port {srv.port})", flush=True)
+    return servers

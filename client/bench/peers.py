@@ -24,12 +24,14 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tandem.client.bench.args import ArgumentTypeError, names, positive_int, positive_ints
+from tandem.client.bench.args import names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
-from tandem.client.bench.openai_load import run_closed_loop, stream_completion, summarize
-from tandem.client.bench.peers_workload import Prompts, auto_dtype, body, requests_per_level, tree_cpu_s
-from tandem.client.bench.repeats import error_bars, fmt, spread
-from tandem.client.bench.report import cpu_info, header, save_figure, write
+from tandem.client.bench.openai_load import run_closed_loop, summarize
+from tandem.client.bench.peer_servers import SETTLE_S
+from tandem.client.bench.peers_workload import Prompts, dtype, exact_request, requests_per_level, tree_cpu_s
+from tandem.client.bench.repeats import error_bars, fmt, ratio, spread
+from tandem.client.bench.report import cpu_info, git_state, header, render as render_report, save_figure, write
+from tandem.client.bench.request_client import openai_completion
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/peers.json")
@@ -40,16 +42,8 @@ METHODS = {"none": ("vllm", "tandem"), "ngram": ("vllm", "tandem"), "draft_model
            "auto": ("tandem",)}
 GROUP = {"none": "plain", "ngram": "ngram", "draft_model": "draft", "draft_target": "draft", "mtp": "draft",
          "auto": "auto"}
-# a pause before each level: the previous server's spinning threads wind down
-SETTLE_S = 1.0
 KEYS = ("output_tok_s", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "ttft_cold_ms_p50", "ttft_warm_ms_p50",
         "ttft_cold_ms_p99", "ttft_warm_ms_p99", "tokens_per_chunk")
-
-
-def dtype(text: str) -> str:
-    if text not in ("auto", "float32", "bfloat16"):
-        raise ArgumentTypeError(f"must be auto, float32 or bfloat16, got {text!r}")
-    return auto_dtype(cpu_info()) if text == "auto" else text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,7 +119,7 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
     """Every server of a group started at once (their loading overlaps), then awaited."""
     from tandem.client.bench import peer_servers as ps
     from tandem.client.serve.triton_server import free_port
-    servers = {}
+    launches = {}
     for server, method in cfgs:
         port, name = free_port(), f"{server}-{method}"
         if server == "vllm":
@@ -138,13 +132,8 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
                                          run_dir), ps.tandem_env(tandem_path)
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
-        srv = ps.OpenAIServer(name, cmd, env, port, work / f"{name}.log")
-        stack.callback(srv.stop)
-        servers[(server, method)] = srv.start()
-    ps.wait_ready(list(servers.values()))
-    for cfg, srv in servers.items():
-        print(f"  {label(cfg)} ready in {srv.ready_s:.0f} s (port {srv.port})", flush=True)
-    return servers
+        launches[(server, method)] = (name, cmd, env, port)
+    return ps.start_all(stack, launches, work)
 
 
 def served_name(cfg, args) -> str:
@@ -160,7 +149,8 @@ def warm_up(srv, cfg, args, prompts: Prompts) -> None:
     import asyncio
     vllm = cfg[0] == "vllm"
     for text in (prompts.cold[-1], prompts.prefix + prompts.suffixes[-1]):
-        r = asyncio.run(stream_completion("127.0.0.1", srv.port, body(served_name(cfg, args), text, 16, vllm), "warm-up"))
+        inp = exact_request(served_name(cfg, args), text, 16, vllm, kind="warm-up")
+        r = asyncio.run(openai_completion("127.0.0.1", srv.port, inp))
         if r.error:
             from tandem.client.bench.peer_servers import PeerError
             raise PeerError(f"{label(cfg)}: warm-up failed: {r.error}\n{srv.log_tail()}")
@@ -171,7 +161,8 @@ def measure(srv, cfg, c: int, start: int, args, prompts: Prompts, others: list) 
     of one core the other (idle) servers used meanwhile."""
     n = requests_per_level(args.requests, c)
     vllm = cfg[0] == "vllm"
-    reqs = [(kind, body(served_name(cfg, args), text, args.max_tokens, vllm)) for kind, text in prompts.level(start, n)]
+    reqs = [exact_request(served_name(cfg, args), text, args.max_tokens, vllm, kind)
+            for kind, text in prompts.level(start, n)]
     time.sleep(SETTLE_S)
     load = os.getloadavg()[0]
     idle0, t0 = sum(tree_cpu_s(o.proc.pid) for o in others), time.monotonic()
@@ -205,12 +196,6 @@ def aggregate(runs: dict, concurrency: list[int]) -> dict:
     return {label(cfg): {str(c): {k: spread([r.get(k) for r in per_c[c]]) for k in KEYS}
                          | {"errors": sum(r["errors"] for r in per_c[c])} for c in concurrency}
             for cfg, per_c in runs.items()}
-
-
-def ratio(mine: list[dict], theirs: list[dict], key: str) -> dict:
-    """Per repeat, ``mine[key] / theirs[key]``; their spread."""
-    return spread([round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
-                   for a, b in zip(mine, theirs)])
 
 
 def best(runs: dict, server: str, c: int, spec_only: bool) -> tuple[str, str] | None:
@@ -329,27 +314,10 @@ def merge(old: dict, runs: dict, report: dict) -> dict:
     return merged
 
 
-def git_state() -> str:
-    """The commit measured, and whether the working tree differed from it."""
-    import subprocess
-
-    from tandem.client.paths import REPO_ROOT
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' with uncommitted changes' if dirty else ''}" if head else "unknown"
-
-
 def render(report: dict, out: Path) -> None:
     concurrency = [int(c) for c in next(iter(report["summary"].values()))] if report["summary"] else []
-    md = markdown(report, concurrency)
-    out.with_suffix(".md").write_text(f"# tandem bench peers\n\n{md}\n")
-    print(md)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {plot(report['summary'], concurrency, out, report)}")
+    render_report("peers", markdown(report, concurrency), out,
+                  lambda: plot(report["summary"], concurrency, out, report))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
 """What ``tandem bench peers`` sends and where it runs: the machine's CPU (model, the
 flags that decide the dtype), the prompts (cold: unique; warm: one shared prefix and a
 unique suffix, cut from the standard library's source, the same for every server),
-the request bodies, and the CPU that servers not under measurement burn meanwhile.
+the requests, the ``--dtype`` both servers accept, and the CPU that servers not under
+measurement burn meanwhile.
 
->>> body("tandem", "def f():", 128, vllm=True)["ignore_eos"]
+>>> exact_request("tandem", "def f():", 128, vllm=True).ignore_eos
 True
 >>> kinds(5)
 ['cold', 'warm', 'cold', 'warm', 'cold']
@@ -15,7 +16,11 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.client.bench.args import ArgumentTypeError
+from tandem.client.bench.report import cpu_info
+from tandem.client.bench.request_client import RequestInput
 from tandem.client.serve.process_group import live_processes
+
 
 def auto_dtype(info: dict) -> str:
     """bf16 only where the CPU computes it natively; fp32 otherwise (bf16 emulated on
@@ -25,6 +30,14 @@ def auto_dtype(info: dict) -> str:
     ('float32', 'bfloat16')
     """
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(info["flags"]) else "float32"
+
+
+def dtype(text: str) -> str:
+    """``--dtype``: float32 or bfloat16, which vLLM's CPU build and Tandem both serve, or
+    auto (:func:`auto_dtype` of this machine)."""
+    if text not in ("auto", "float32", "bfloat16"):
+        raise ArgumentTypeError(f"must be auto, float32 or bfloat16, got {text!r}")
+    return auto_dtype(cpu_info()) if text == "auto" else text
 
 
 def kinds(n: int) -> list[str]:
@@ -37,14 +50,10 @@ def requests_per_level(minimum: int, concurrency: int) -> int:
     return max(minimum, 2 * concurrency)
 
 
-def body(model: str, prompt: str, max_tokens: int, vllm: bool) -> dict:
-    """A greedy streaming completion of exactly ``max_tokens`` tokens (min = max; vLLM
-    also needs ``ignore_eos``, as min_tokens alone still stops at a stop string)."""
-    out = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-           "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    if vllm:
-        out["ignore_eos"] = True
-    return out
+def exact_request(model: str, prompt: str, max_tokens: int, vllm: bool, kind: str = "request") -> RequestInput:
+    """A greedy stream of exactly ``max_tokens`` tokens (min = max; vLLM also needs
+    ``ignore_eos``, as min_tokens alone still stops at a stop string)."""
+    return RequestInput(prompt, max_tokens, kind=kind, model=model, min_tokens=max_tokens, ignore_eos=vllm)
 
 
 @dataclass(slots=True)

@@ -29,13 +29,14 @@ from pathlib import Path
 
 from tandem.client.bench.args import names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
-from tandem.client.bench.openai_load import run_closed_loop, stream_completion
-from tandem.client.bench.peers import SETTLE_S, dtype, git_state, ratio
-from tandem.client.bench.peers_workload import Prompts, body
+from tandem.client.bench.openai_load import run_closed_loop
+from tandem.client.bench.peer_servers import SETTLE_S
+from tandem.client.bench.peers_workload import Prompts, dtype, exact_request
 from tandem.client.bench.prefix_workload import (chat_context_tokens, conversations, level_stats, offsets,
                                                  pieces_per_level, system_prompts)
-from tandem.client.bench.repeats import error_bars, fmt, interleaved, spread
-from tandem.client.bench.report import cpu_info, header, save_figure, write
+from tandem.client.bench.repeats import error_bars, fmt, interleaved, ratio, spread
+from tandem.client.bench.report import cpu_info, git_state, header, render as render_report, save_figure, write
+from tandem.client.bench.request_client import RequestInput, openai_completion
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/prefix.json")
@@ -129,7 +130,7 @@ def start_servers(stack: ExitStack, names_: list[str], args, work: Path, vllm_py
     """Every server started at once (their loading overlaps), then awaited."""
     from tandem.client.bench import peer_servers as ps
     from tandem.client.serve.triton_server import free_port
-    servers = {}
+    launches = {}
     for name in names_:
         port = free_port()
         if name == "vllm":
@@ -142,21 +143,16 @@ def start_servers(stack: ExitStack, names_: list[str], args, work: Path, vllm_py
             cmd = ps.tandem_command(args.model, port, args.dtype, "none", 1, path_of(name), run_dir) + [
                 "--prefix-caching", name.rsplit("-", 1)[1]]
             env = ps.tandem_env(tandem_path)
-        srv = ps.OpenAIServer(name, cmd, env, port, work / f"{name}.log")
-        stack.callback(srv.stop)
-        servers[name] = srv.start()
-    ps.wait_ready(list(servers.values()))
-    for name, srv in servers.items():
-        print(f"  {name} ready in {srv.ready_s:.0f} s (port {srv.port})", flush=True)
-    return servers
+        launches[name] = (name, cmd, env, port)
+    return ps.start_all(stack, launches, work)
 
 
-def _body(prompt: str, max_tokens: int, server: str) -> dict:
+def _request(prompt: str, max_tokens: int, server: str, kind: str) -> RequestInput:
     from tandem.client.bench.peer_servers import SERVED_NAME
     from tandem.client.serve.options import TEXT_ENSEMBLE
     # each mode of tandem serve names its text ensemble (colocated: tandem_colocated)
-    return body(SERVED_NAME if server == "vllm" else TEXT_ENSEMBLE[path_of(server)], prompt, max_tokens,
-                server == "vllm")
+    return exact_request(SERVED_NAME if server == "vllm" else TEXT_ENSEMBLE[path_of(server)], prompt, max_tokens,
+                         server == "vllm", kind)
 
 
 async def chat_loop(port: int, convs, concurrency: int, max_tokens: int, server: str):
@@ -169,7 +165,7 @@ async def chat_loop(port: int, convs, concurrency: int, max_tokens: int, server:
             conv, reply = pending.pop(0), None
             while not conv.done:
                 kind = "first" if not conv.sent else "later"
-                r = await stream_completion("127.0.0.1", port, _body(conv.next(reply), max_tokens, server), kind)
+                r = await openai_completion("127.0.0.1", port, _request(conv.next(reply), max_tokens, server, kind))
                 out.append(r)
                 if r.error:
                     break
@@ -184,10 +180,10 @@ def measure(srv, server: str, workload: str, c: int, texts: list[str], args, pro
     time.sleep(SETTLE_S)
     before = scrape_routed(srv) if path_of(server) == "disaggregated" else None
     if workload == "system":   # the system prompt in the cache before the level
-        asyncio.run(stream_completion("127.0.0.1", srv.port, _body(system_prompts(prompts.prefix, ["Hi."])[0], 1,
-                                                                    server), "prime"))
+        prime = _request(system_prompts(prompts.prefix, ["Hi."])[0], 1, server, "prime")
+        asyncio.run(openai_completion("127.0.0.1", srv.port, prime))
         load = os.getloadavg()[0]
-        reqs = [("system", _body(p, args.max_tokens, server)) for p in system_prompts(prompts.prefix, texts)]
+        reqs = [_request(p, args.max_tokens, server, "system") for p in system_prompts(prompts.prefix, texts)]
         results, wall = run_closed_loop("127.0.0.1", srv.port, reqs, c)
     else:
         load = os.getloadavg()[0]
@@ -329,10 +325,7 @@ def plot(report: dict, out: Path) -> Path:
 
 
 def render(report: dict, out: Path) -> None:
-    md = markdown(report)
-    out.with_suffix(".md").write_text(f"# tandem bench prefix\n\n{md}\n")
-    print(md)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {plot(report, out)}")
+    render_report("prefix", markdown(report), out, lambda: plot(report, out))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandem.client.bench.openai_load import StreamResult, percentile, summarize
+from tandem.client.bench.openai_load import summarize
 from tandem.client.bench.peers_workload import requests_per_level
+from tandem.client.bench.request_client import RequestOutput
+from tandem.client.bench.stats import ms, percentile
 
 USER, ASSISTANT = "\n\nUser: ", "\n\nAssistant:"
 # the tokens the role markers take around a message, for the context-length check
@@ -108,11 +110,11 @@ def chat_context_tokens(turns: int, message_tokens: int, max_tokens: int) -> int
     return turns * (message_tokens + MARKER_TOKENS + max_tokens)
 
 
-def cached_share(results: list[StreamResult]) -> float | None:
+def cached_share(results: list[RequestOutput]) -> float | None:
     """The share of prompt tokens the server says its prefix cache served, over the
     requests that reported both counts (None when none did).
 
-    >>> r = [StreamResult("a", prompt_tokens=100, cached_tokens=64), StreamResult("a", prompt_tokens=100)]
+    >>> r = [RequestOutput("a", prompt_tokens=100, cached_tokens=64), RequestOutput("a", prompt_tokens=100)]
     >>> cached_share(r), cached_share(r[1:])
     (0.64, None)
     """
@@ -122,14 +124,13 @@ def cached_share(results: list[StreamResult]) -> float | None:
     return round(sum(r.cached_tokens for r in rep) / sum(r.prompt_tokens for r in rep), 4)
 
 
-def level_stats(results: list[StreamResult], wall_s: float) -> dict:
+def level_stats(results: list[RequestOutput], wall_s: float) -> dict:
     """A level's figures: the load generator's summary (output tok/s, TTFT per kind of
     request, ITL), TTFT p50/p99 over all requests, and the cached-token share."""
     ttft = [r.ttft_s for r in results if r.error is None and r.ttft_s is not None]
     out = summarize(results, wall_s)
     for q in (50, 99):
-        p = percentile(ttft, q)
-        out[f"ttft_ms_p{q}"] = None if p is None else round(1000 * p, 2)
+        out[f"ttft_ms_p{q}"] = ms(percentile(ttft, q))
     out["cached_share"] = cached_share(results)
     out["prompt_tokens_mean"] = (round(sum(r.prompt_tokens for r in results if r.prompt_tokens)
                                        / max(1, sum(1 for r in results if r.prompt_tokens)), 1))

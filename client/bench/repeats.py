@@ -41,6 +41,16 @@ def spread(values: list[float | None]) -> dict:
             "max": round(max(xs), 3), "runs": list(values)}
 
 
+def ratio(mine: list[dict], theirs: list[dict], key: str) -> dict:
+    """Per repeat, ``mine[key] / theirs[key]``; their spread.
+
+    >>> ratio([{"x": 3.0}, {"x": 2.0}], [{"x": 2.0}, {"x": None}], "x")["runs"]
+    [1.5, None]
+    """
+    return spread([round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
+                   for a, b in zip(mine, theirs)])
+
+
 def summarize_runs(runs: list[dict], keys: list[str]) -> dict:
     """Per key, the :func:`spread` of that key over the repeats."""
     return {k: spread([r.get(k) for r in runs]) for k in keys}

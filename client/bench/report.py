@@ -1,5 +1,6 @@
-"""What every benchmark report carries (name, date, machine, the exact command) and how
-its figures are written, so that each figure names the machine, command and date."""
+"""What every benchmark report carries (name, date, machine, the exact command, the
+commit measured) and how its figures and markdown are written, so that each figure
+names the machine, command and date."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,10 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -73,3 +76,25 @@ def save_figure(fig, path: Path, report: dict) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def git_state() -> str:
+    """The commit measured, and whether the working tree differed from it."""
+    from tandem.client.paths import REPO_ROOT
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' with uncommitted changes' if dirty else ''}" if head else "unknown"
+
+
+def render(name: str, markdown: str, out: Path, draw: Callable[[], Path]) -> None:
+    """A report's ``markdown`` written beside its JSON (``out`` as .md, under a title)
+    and printed; then its figure drawn (``draw`` returns where it went)."""
+    md = out.with_suffix(".md")
+    md.write_text(f"# tandem bench {name}\n\n{markdown}\n")
+    print(markdown)
+    print(f"wrote {out}, {md}, {draw()}")

@@ -20,7 +20,8 @@ from tandem.client.bench.args import add_dtype, CommaList, cpu_list, positive_fl
 from tandem.client.bench.harness import long_context_copy, prompt_texts, start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
-from tandem.client.bench.streaming_client import StreamingClient, closed_loop
+from tandem.client.bench.grpc_load import closed_loop
+from tandem.client.bench.request_client import TritonStream
 
 DEFAULT_OUT = Path("docs/bench/scaling.json")
 
@@ -54,7 +55,7 @@ def run_one(n: int, args, model_dir: Path, work: Path, prompts: list[str]) -> di
         decoders = [start_server(stack, ServeOptions.of(prefill_endpoints=prefill.grpc_url, disagg_policy="remote",
                                                      **common), work / f"d{n}-{i}", log_file=work / f"d{n}-{i}.log",
                                  cpus=tuple(args.decode_cpus)) for i in range(n)]
-        clients = [StreamingClient(s.grpc_url, "tandem") for s in decoders]
+        clients = [TritonStream(s.grpc_url, "tandem") for s in decoders]
         try:
             closed_loop(clients, prompts, args.prompt_tokens, 1, 4, 3.0)   # warm-up
             stats = closed_loop(clients, prompts, args.prompt_tokens, args.streams,

@@ -32,8 +32,8 @@ from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_ta
                             summarize_runs)
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
-from tandem.client.bench.serving_workload import StreamLog, poisson_arrivals, summarize
-from tandem.client.bench.streaming_client import StreamingClient
+from tandem.client.bench.request_client import RequestInput, RequestOutput, TritonStream
+from tandem.client.bench.serving_workload import poisson_arrivals, summarize, timed_gaps
 
 DEFAULT_OUT = Path("docs/bench/serving.json")
 # mode -> (the ensemble called, tandem serve --mode, --disagg-policy)
@@ -66,38 +66,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- the workload ----------------------------------------------------------------------
-def run_rate(client: StreamingClient, rate: float, duration: float, background: list[str],
+def run_rate(client: TritonStream, rate: float, duration: float, background: list[str],
              background_tokens: int, longs: list[tuple[str, int]], long_max_tokens: int,
-             seed: int) -> tuple[list[StreamLog], tuple[float, float]]:
+             seed: int) -> tuple[list[RequestOutput], tuple[float, float]]:
     """Keep the background streams going and send long prompts at ``rate`` for
-    ``duration`` seconds; returns the logs of this rate and its measurement window."""
-    first = set(client.logs)
-    start = time.monotonic()
-    live = {client.send("background", p, 0, background_tokens) for p in background}
+    ``duration`` seconds; returns the outputs of this rate and its measurement window."""
+    def send_background(prompt: str) -> str:
+        return client.send(RequestInput(prompt, background_tokens, kind="background", prompt_tokens=0))
+
+    first = set(client.outputs)
+    start = time.perf_counter()
+    live = {send_background(p) for p in background}
     arrivals = poisson_arrivals(rate, duration, seed)
     i = 0
-    while time.monotonic() - start < duration:
+    while time.perf_counter() - start < duration:
         due = start + arrivals[i] if i < len(arrivals) else start + duration
-        timeout = max(0.0, min(due, start + duration) - time.monotonic())
+        timeout = max(0.0, min(due, start + duration) - time.perf_counter())
         try:
-            log = client.finished.get(timeout=timeout)
-            if log.kind == "background" and log.request_id in live:
-                live.discard(log.request_id)
-                live.add(client.send("background", background[len(live) % len(background)], 0,
-                                     background_tokens))
+            out = client.finished.get(timeout=timeout)
+            if out.kind == "background" and out.request_id in live:
+                live.discard(out.request_id)
+                live.add(send_background(background[len(live) % len(background)]))
         except queue.Empty:
             pass
-        while i < len(arrivals) and time.monotonic() >= start + arrivals[i]:
+        while i < len(arrivals) and time.perf_counter() >= start + arrivals[i]:
             text, n = longs[i % len(longs)]
-            client.send("long", text, n, long_max_tokens)
+            client.send(RequestInput(text, long_max_tokens, kind="long", prompt_tokens=n))
             i += 1
-    end = time.monotonic()
+    end = time.perf_counter()
     deadline = end + 60
-    while any(log.done_at is None for rid, log in client.logs.items() if rid not in first) \
-            and time.monotonic() < deadline:
+    while any(out.end is None for rid, out in client.outputs.items() if rid not in first) \
+            and time.perf_counter() < deadline:
         time.sleep(0.05)
-    logs = [log for rid, log in client.logs.items() if rid not in first]
-    return logs, (start + min(5.0, duration / 4), end)
+    outputs = [out for rid, out in client.outputs.items() if rid not in first]
+    return outputs, (start + min(5.0, duration / 4), end)
 
 
 # -- the modes ---------------------------------------------------------------------------
@@ -119,10 +121,10 @@ def options_for(mode: str, args, model_dir: Path):
                         max_num_batched_tokens=512)
 
 
-def output_tok_s(logs: list[StreamLog], window: tuple[float, float]) -> float:
+def output_tok_s(outputs: list[RequestOutput], window: tuple[float, float]) -> float:
     """Tokens streamed inside the window, all streams, per second."""
     lo, hi = window
-    n = sum(k for log in logs for t, k in log.events if lo <= t <= hi)
+    n = sum(k for r in outputs for s, k in zip(r.chunk_s, r.chunk_tokens) if lo <= r.start + s <= hi)
     return round(n / (hi - lo), 1) if hi > lo else 0.0
 
 
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{mode}: starting tritonserver", flush=True)
                 options = options_for(mode, args, model_dir)
                 server = start_server(stack, options, work / mode, attempts=2, log_file=work / f"{mode}.log")
-                clients[mode] = StreamingClient(server.grpc_url, MODES[mode][0])
+                clients[mode] = TritonStream(server.grpc_url, MODES[mode][0])
                 stack.callback(clients[mode].close)
                 threads[mode] = options.engine.torch_threads
             for mode in modes:   # warm-up: one long prompt and the background streams, not measured
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                     t0 = window[0]
                     timeline[mode][str(rate)] = [
                         (round(t - t0, 4), round(g * 1000, 3)) for log in logs
-                        for t, g in log.gaps() if window[0] <= t <= window[1]]
+                        for t, g in timed_gaps(log) if window[0] <= t <= window[1]]
                 print(f"  {mode:14s} rate {rate:4.2f}/s run {rep + 1}  " + "  ".join(
                     f"{k}={v}" for k, v in stats.items()), flush=True)
                 return stats

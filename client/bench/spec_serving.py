@@ -21,7 +21,8 @@ from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import error_bars, spread
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
-from tandem.client.bench.streaming_client import StreamingClient, closed_loop
+from tandem.client.bench.grpc_load import closed_loop
+from tandem.client.bench.request_client import TritonStream
 
 DEFAULT_OUT = Path("docs/bench/spec_serving.json")
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
@@ -73,7 +74,7 @@ def run_setting(method: str, k: int, args, work: Path, rep: int = 0) -> dict:
     name = f"{method}-{k}-{rep}"
     with ExitStack() as stack:   # stops the server, also when its start is interrupted
         server = start_server(stack, options, work / name, log_file=work / f"{name}.log")
-        client = StreamingClient(server.grpc_url, "tandem")
+        client = TritonStream(server.grpc_url, "tandem")
         try:
             closed_loop([client], PROMPTS, 8, 1, 8, 3.0)    # warm-up
             for c in args.concurrency:

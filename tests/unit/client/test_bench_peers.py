@@ -1,5 +1,6 @@
-"""``tandem bench peers``' pure parts: the streams of both servers parsed, the
-statistics, the prompts and the option checks (no server, no timing thresholds)."""
+"""``tandem bench peers``' pure parts: a level's statistics, the load generator against a
+stand-in server, the prompts and the option checks (no server, no timing thresholds).
+How both servers' streams parse: test_bench_request_client.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,77 +10,18 @@ import json
 import pytest
 
 from tandem.client.bench import peers
-from tandem.client.bench.openai_load import (ChunkedDecoder, SSEParser, StreamResult, closed_loop, parse_event,
-                                             percentile, summarize)
+from tandem.client.bench.openai_load import closed_loop, summarize
 from tandem.client.bench.peer_servers import spec_config, tandem_command, vllm_command
-from tandem.client.bench.peers_workload import auto_dtype, body, kinds, requests_per_level
+from tandem.client.bench.peers_workload import auto_dtype, exact_request, kinds, requests_per_level
 from tandem.client.bench.report import cpu_info
+from tandem.client.bench.request_client import RequestOutput, openai_body
 
-# what vLLM 0.32's /v1/completions streams with stream_options.include_usage
-VLLM_STREAM = (
-    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
-    b'"text":" def","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}\n\n'
-    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
-    b'"text":" f","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
-    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tandem","choices":[],'
-    b'"usage":{"prompt_tokens":5,"total_tokens":7,"completion_tokens":2}}\n\n'
-    b'data: [DONE]\n\n')
-# what Tandem's frontend streams (no usage key in content chunks, CRLF as some proxies send)
-TANDEM_STREAM = (
-    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
-    b'"text":" def","logprobs":null,"finish_reason":null}]}\r\n\r\n'
-    b': keep-alive comment\r\n\r\n'
-    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[{"index":0,'
-    b'"text":" f","logprobs":null,"finish_reason":"length"}]}\r\n\r\n'
-    b'data: {"id":"cmpl-2","object":"text_completion","created":1,"model":"tandem","choices":[],'
-    b'"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\r\n\r\n'
-    b'data: [DONE]\r\n\r\n')
-
-
-def events(stream: bytes, step: int) -> list:
-    parser = SSEParser()
-    out = []
-    for i in range(0, len(stream), step):
-        out += [parse_event(p) for p in parser.feed(stream[i:i + step])]
-    return out
-
-
-@pytest.mark.parametrize("stream", [VLLM_STREAM, TANDEM_STREAM], ids=["vllm", "tandem"])
-@pytest.mark.parametrize("step", [1, 7, 10_000])
-def test_both_servers_streams_parse_alike_however_split(stream, step):
-    evs = events(stream, step)
-    assert [e.text for e in evs[:3]] == [" def", " f", ""]
-    assert evs[1].finish_reason == "length"
-    assert evs[2].completion_tokens == 2
-    assert evs[3] is None          # [DONE]
-    assert len(evs) == 4           # the comment carries no payload
-
-
-def test_an_error_inside_the_stream_is_an_error_event():
-    ev = parse_event(json.dumps({"error": {"message": "boom", "type": "internal"}}))
-    assert ev.error == "boom" and ev.text == ""
-
-
-@pytest.mark.parametrize("step", [1, 3, 1000])
-def test_chunked_body_decodes_across_splits(step):
-    raw = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n"
-    d, out = ChunkedDecoder(), b""
-    for i in range(0, len(raw), step):
-        out += d.feed(raw[i:i + step])
-    assert out == b"hello, world" and d.done
-
-
-def test_percentile_interpolates_as_numpy():
-    np = pytest.importorskip("numpy")
-    xs = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6]
-    for q in (0, 50, 90, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
-
+from .test_bench_request_client import VLLM_STREAM
 
 def test_summary_counts_tokens_gaps_and_kinds():
-    a = StreamResult("cold", chunk_s=[0.1, 0.2, 0.4], completion_tokens=4)   # a chunk of 2 tokens
-    b = StreamResult("warm", chunk_s=[0.05, 0.15], completion_tokens=2)
-    bad = StreamResult("cold", error="HTTP 500")
+    a = RequestOutput("cold", chunk_s=[0.1, 0.2, 0.4], output_tokens=4)   # a chunk of 2 tokens
+    b = RequestOutput("warm", chunk_s=[0.05, 0.15], output_tokens=2)
+    bad = RequestOutput("cold", error="HTTP 500")
     s = summarize([a, b, bad], wall_s=2.0)
     assert s["requests"] == 3 and s["errors"] == 1 and s["first_error"] == "HTTP 500"
     assert s["output_tok_s"] == 3.0                                  # 6 tokens / 2 s
@@ -87,10 +29,6 @@ def test_summary_counts_tokens_gaps_and_kinds():
     assert s["ttft_cold_ms_p50"] == 100.0 and s["ttft_warm_ms_p50"] == 50.0
     assert s["itl_ms_p50"] == 100.0                                   # gaps 0.1, 0.2, 0.1
     assert s["tpot_ms_p50"] == pytest.approx(100.0)                   # (0.3 / 3 and 0.1 / 1)
-
-
-def test_usage_missing_falls_back_to_text_chunks():
-    assert StreamResult("cold", chunk_s=[0.1, 0.2]).tokens == 2
 
 
 def test_load_generator_against_a_chunked_sse_server():
@@ -117,8 +55,8 @@ def test_load_generator_against_a_chunked_sse_server():
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        reqs = [("cold", body("m", "x", 2, vllm=True)), ("warm", body("m", "bad", 2, vllm=True)),
-                ("cold", body("m", "y", 2, vllm=False))]
+        reqs = [exact_request("m", "x", 2, vllm=True, kind="cold"), exact_request("m", "bad", 2, vllm=True, kind="warm"),
+                exact_request("m", "y", 2, vllm=False, kind="cold")]
         async with server:
             results, wall = await closed_loop("127.0.0.1", port, reqs, 2)
         return results, wall, seen
@@ -131,10 +69,10 @@ def test_load_generator_against_a_chunked_sse_server():
 
 
 def test_bodies_ask_for_exact_greedy_streams():
-    b = body("tandem", "p", 128, vllm=False)
+    b = openai_body(exact_request("tandem", "p", 128, vllm=False))
     assert b["min_tokens"] == b["max_tokens"] == 128 and b["temperature"] == 0.0 and b["stream"]
     assert b["stream_options"] == {"include_usage": True} and "ignore_eos" not in b
-    assert body("tandem", "p", 128, vllm=True)["ignore_eos"] is True
+    assert openai_body(exact_request("tandem", "p", 128, vllm=True))["ignore_eos"] is True
 
 
 def test_levels_alternate_kinds_and_never_reuse_a_prompt():

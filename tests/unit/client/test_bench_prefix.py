@@ -11,7 +11,8 @@ import json
 import pytest
 
 from tandem.client.bench import prefix
-from tandem.client.bench.openai_load import StreamResult, parse_event
+from tandem.client.bench.request_client import RequestOutput
+from tandem.client.bench.sse import parse_event
 from tandem.client.bench.prefix_workload import (ASSISTANT, USER, Conversation, cached_share, conversations,
                                                  level_stats, offsets, pieces_per_level, system_prompts)
 
@@ -66,9 +67,9 @@ def test_usage_with_cached_tokens_is_read():
 
 
 def test_stats_cached_share_and_ttft():
-    rs = [StreamResult("first", chunk_s=[0.1, 0.2], completion_tokens=2, prompt_tokens=40, cached_tokens=0),
-          StreamResult("later", chunk_s=[0.05, 0.1], completion_tokens=2, prompt_tokens=120, cached_tokens=96),
-          StreamResult("later", error="HTTP 500", prompt_tokens=1000, cached_tokens=0)]
+    rs = [RequestOutput("first", chunk_s=[0.1, 0.2], output_tokens=2, prompt_tokens=40, cached_tokens=0),
+          RequestOutput("later", chunk_s=[0.05, 0.1], output_tokens=2, prompt_tokens=120, cached_tokens=96),
+          RequestOutput("later", error="HTTP 500", prompt_tokens=1000, cached_tokens=0)]
     assert cached_share(rs) == round(96 / 160, 4)
     s = level_stats(rs, 1.0)
     assert s["errors"] == 1 and s["output_tok_s"] == 4.0
@@ -103,7 +104,7 @@ def test_servers_per_path_caching_on_and_off(paths, peers, servers):
 @pytest.mark.parametrize("server,model", [("colocated-on", "tandem_colocated"), ("disaggregated-off", "tandem"),
                                           ("vllm", "tandem")])
 def test_each_path_is_asked_for_its_own_ensemble(server, model):
-    assert prefix._body("hi", 4, server)["model"] == model
+    assert prefix._request("hi", 4, server, "system").model == model
 
 
 def test_tables_per_path_keep_vllm():
