@@ -38,11 +38,12 @@ from typing import Callable
 
 import torch
 
-from ..kv_cache import KVAllocator, KVPagePool, PageAllocator, pages_needed
-from ..kv_cache.prefix_cache import CachingAllocator
+from ..kv_cache import KVAllocator, KVPagePool, pages_needed
+from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..models import load_model
 from .config import EngineConfig
 from .isolation import describe, isolate
+from .kv_pool import kv_page_pool, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
 from .prefix_caching import PrefixCacheStats, PrefixCaching
 from .proposers import ProposerPrefill, load_proposer_model
@@ -116,22 +117,16 @@ class PrefillEngine:
         the proposer's KV is filled as well."""
         config.validate()
         model = load_model(config.model_dir, config.dtype, config.device)
-        cfg, dtype = model.config, model.embed_tokens.weight.dtype
-        num_pages = config.num_pages_for(cfg)
-
-        def pool(c):
-            return KVPagePool.for_model(c, num_pages, config.page_size, dtype, config.kv_layout,
-                                        config.device)
+        dtype = model.embed_tokens.weight.dtype
+        pool, allocator = make_kv_pool(config, model.config, dtype)
         proposer, spec = None, config.speculative
         if spec is not None and spec.has_kv:   # ngram has no KV to fill
             p = load_proposer_model(spec, model, config.dtype, config.device)
-            proposer = (spec.kv_name, ProposerPrefill(p, model, pool(p.config)))
-        if config.enable_prefix_caching:
-            allocator = CachingAllocator(num_pages)
-            prefix = PrefixCaching.for_config(config, allocator)
-        else:
-            allocator, prefix = PageAllocator(num_pages), None
-        return cls(model, pool(cfg), allocator, config.max_num_batched_tokens,
+            proposer = (spec.kv_name, ProposerPrefill(
+                p, model, kv_page_pool(config, p.config, pool.num_pages, dtype)))
+        prefix = (PrefixCaching.for_config(config, allocator)
+                  if isinstance(allocator, CachingKVAllocator) else None)
+        return cls(model, pool, allocator, config.max_num_batched_tokens,
                    config.max_num_seqs, hooks, proposer, prefix)
 
     # -- requests -------------------------------------------------------------------------
