@@ -55,7 +55,8 @@ def test_load_generator_against_a_chunked_sse_server():
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        reqs = [exact_request("m", "x", 2, vllm=True, kind="cold"), exact_request("m", "bad", 2, vllm=True, kind="warm"),
+        reqs = [exact_request("m", "x", 2, vllm=True, kind="cold"),
+                exact_request("m", "bad", 2, vllm=True, kind="warm"),
                 exact_request("m", "y", 2, vllm=False, kind="cold")]
         async with server:
             results, wall = await closed_loop("127.0.0.1", port, reqs, 2)
