@@ -423,12 +423,6 @@ class SharedKVPool:
             self._cache.hold(pages)
             return pages
 
-    def cache_hold(self, pages) -> None:
-        """The owner holds ``pages`` for a sequence (cached ones stop being evictable)."""
-        with self._locked():
-            if self._owning_cache():
-                self._cache.hold(pages)
-
     def cache_free(self, pages) -> None:
         """The owner's last hold on each of ``pages`` ended: cached ones stay (evictable),
         the others are freed."""

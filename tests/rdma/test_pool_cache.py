@@ -16,6 +16,8 @@ from tandem.rdma.plan import ModelSpec
 from tandem.rdma.pool_layout import H_FREE_TOP
 from tandem.rdma.reservations import CANCELLED, READY
 
+from .pool_helpers import cache_hold
+
 MODEL = ModelSpec("target", 2, 2, 8, 4, "float32")
 ROOT = bytes(range(16))
 
@@ -42,7 +44,7 @@ def pools(make_pool):
 def cache_pages(dec: SharedKVPool, n: int, first_key: int = 0) -> list[int]:
     """A decode sequence computes ``n`` pages, publishes them and ends."""
     pages = dec.alloc(n)
-    dec.cache_hold(pages)
+    cache_hold(dec, pages)
     for i, p in enumerate(pages):
         assert dec.cache_publish(p, key(first_key + i))
     dec.cache_free(pages)
@@ -70,7 +72,7 @@ def test_a_reservation_shares_the_cached_prefix_and_the_claim_hands_it_over(pool
     assert xfer.mark_ready(slot, gen, 30.0)
     got = dec.claim(slot, gen)
     assert got == cached[:2] + fresh
-    dec.cache_hold(fresh)
+    cache_hold(dec, fresh)
     dec.cache_free(got)                 # the sequence ends: only the cached pages stay
     assert dec.num_free == 16 and dec.cache_counts()[0] == 3
 
@@ -88,7 +90,7 @@ def test_pinned_and_held_pages_are_never_evicted(pools):
     dec, xfer = pools(num_pages=8)
     cached = cache_pages(dec, 4)            # 4 evictable
     held = dec.alloc(1)
-    dec.cache_hold(held)
+    cache_hold(dec, held)
     assert dec.cache_publish(held[0], key(100))
     slot, gen, fresh, shared = xfer.reserve_prefix(3, [key(0), key(1)], 1, 30.0)
     assert shared == 2
@@ -116,7 +118,7 @@ def test_eviction_takes_the_least_recently_freed_first(pools):
 def test_only_the_owner_publishes_and_a_key_is_cached_once(pools):
     dec, xfer = pools()
     pages = dec.alloc(2)
-    dec.cache_hold(pages)
+    cache_hold(dec, pages)
     assert dec.cache_publish(pages[0], key(1))
     assert not dec.cache_publish(pages[1], key(1))     # another sequence's copy stays private
     mine = xfer.alloc(1)
@@ -135,7 +137,7 @@ def test_drop_withdraws_only_pages_nobody_else_uses(pools):
     slot, gen, _, n = xfer.reserve_prefix(2, [key(0)], 1, 30.0)   # pinned too
     assert n == 1
     pages = dec.alloc(1)
-    dec.cache_hold(pages)
+    cache_hold(dec, pages)
     dec.cache_publish(pages[0], key(5))
     assert dec.cache_drop(shared + pages) == 1
     assert xfer.cache_lookup([key(5)]) == 0 and xfer.cache_lookup([key(0)]) == 1
@@ -217,7 +219,7 @@ def test_random_operations_keep_every_page_accounted_for(pools):
                 except PoolExhausted:
                     dec.cache_free([p for p in shared if refs[p] == 0])
                     raise
-                dec.cache_hold(pages)
+                cache_hold(dec, pages)
                 take(shared + pages)
             elif op == "end" and seqs:
                 pages = seqs.pop(rng.randrange(len(seqs)))
@@ -243,7 +245,7 @@ def test_random_operations_keep_every_page_accounted_for(pools):
                 xfer.mark_ready(slot, gen, 30.0)
                 pages = dec.claim(slot, gen)
                 assert pages[len(pages) - len(live[slot, gen]):] == live.pop((slot, gen))
-                dec.cache_hold(pages)
+                cache_hold(dec, pages)
                 take(pages)
             elif op == "fail" and live:
                 (slot, gen) = rng.choice(sorted(live))

@@ -21,6 +21,7 @@ from tandem.backends.engine import EngineConfig
 from tandem.backends.kv_cache.page_hash import page_keys, root_key
 from tandem.rdma import KVReceiver, SenderConfig, SharedKVPool
 
+from ...rdma.pool_helpers import cache_hold
 from ..kv_reference import spec_for, token_kv
 
 PAGE = 4
@@ -169,7 +170,7 @@ def test_only_the_pages_decode_lacks_are_sent(side, decode_pages, prefill_warm):
     root = root_key("decode-test")
     s.pool.become_cache_owner(root)
     held = s.pool.alloc(decode_pages)
-    s.pool.cache_hold(held)
+    cache_hold(s.pool, held)
     for m in s.names:   # decode computed these pages once: the same KV as the reference's
         shared_page_pool(s.pool, 0, m).kv[:, held] = \
             shared_page_pool(ref_side.pool, 0, m).kv[:, ref_pages[:decode_pages]]
