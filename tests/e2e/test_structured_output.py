@@ -26,31 +26,15 @@ import pytest
 from tandem.client.serve.process_group import die_with_parent
 from tandem.client.serve.triton_server import free_port
 
+from ..guided_outputs import REGEX, valid
+
 pytestmark = pytest.mark.e2e
 pytest.importorskip("xgrammar")
 DEMO = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
 SCHEMA = {"type": "object", "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 10},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-REGEX = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"
-EBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
-
-
-def valid(kind: str, text: str) -> bool:
-    if kind == "regex":
-        return re.fullmatch(REGEX, text) is not None
-    if kind == "ebnf_grammar":
-        return re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:\+(?:[0-9]|[1-9][0-9]))*\)", text) is not None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    if kind == "json":
-        return True
-    return (isinstance(value, dict) and set(value) == {"name", "age"} and isinstance(value["name"], str)
-            and len(value["name"]) <= 10 and type(value["age"]) is int and 0 <= value["age"] <= 120)
-
-
+EBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'   # its language: guided_outputs.SUMS
 GUIDES = {"json_schema": json.dumps(SCHEMA), "regex": REGEX, "ebnf_grammar": EBNF}
 
 
@@ -144,7 +128,7 @@ def test_every_sample_of_the_tensorrt_llm_interface_is_valid(served, model, kind
     assert errors == []
     # any JSON value may be a string as long as max_tokens; the bounded guides always end
     assert all(r == "stop" for r in reasons) or kind == "json", (texts, reasons)
-    assert all(valid(kind, t) for t, r in zip(texts, reasons) if r == "stop"), texts
+    assert all(valid(kind, t, SCHEMA) for t, r in zip(texts, reasons) if r == "stop"), texts
 
 
 @pytest.mark.parametrize("model", ["tandem", "tandem_colocated"])
@@ -172,7 +156,7 @@ def test_openai_response_format_json_schema_and_json_object(served):
         "temperature": 1.0, "n": 3,
         "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}})
     assert status == 200, body
-    assert all(valid("json_schema", c["message"]["content"]) for c in body["choices"]), body
+    assert all(valid("json_schema", c["message"]["content"], SCHEMA) for c in body["choices"]), body
     status, body = post(f"{served.api_url}/chat/completions", {
         "model": "tandem", "messages": [{"role": "user", "content": "A dict:"}], "max_tokens": 96,
         "temperature": 1.0, "response_format": {"type": "json_object"}})

@@ -17,6 +17,8 @@ from tandem.backends.engine.params import GuidedDecoding
 from tandem.backends.engine.sampler import verify_drafts
 from tandem.backends.models.tokenizer import load_tokenizer
 
+from ...guided_outputs import REGEX, valid
+
 pytest.importorskip("xgrammar")
 DEMO = Path(__file__).resolve().parents[3] / "checkpoints" / "demo"
 VOCAB = 4096
@@ -26,28 +28,11 @@ SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 10},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
-REGEX = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"
-EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [0-9] | [1-9] [0-9]'
+EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [0-9] | [1-9] [0-9]'   # its language: guided_outputs.SUMS
 GUIDES = {"json_schema": GuidedDecoding("json_schema", json.dumps(SCHEMA)),
           "regex": GuidedDecoding("regex", REGEX),
           "ebnf_grammar": GuidedDecoding("ebnf_grammar", EBNF),
           "json": GuidedDecoding("json")}
-
-
-def valid(kind: str, text: str) -> bool:
-    if kind == "regex":
-        return re.fullmatch(REGEX, text) is not None
-    if kind == "ebnf_grammar":
-        return re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:\+(?:[0-9]|[1-9][0-9]))*\)", text) is not None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    if kind == "json":
-        return True
-    return (set(value) == {"name", "age", "tags"} and isinstance(value["name"], str)
-            and len(value["name"]) <= 10 and type(value["age"]) is int and 0 <= value["age"] <= 120
-            and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"})
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +180,7 @@ def test_every_sampled_output_is_valid(demo_llm, kind):
     finished = [o for o in outs if o.finish_reason == "stop"]
     # any JSON value may be a string or number as long as max_tokens: those are cut short
     assert len(finished) >= (n if kind != "json" else n // 3), [(o.text, o.finish_reason) for o in outs]
-    bad = [o.text for o in finished if not valid(kind, o.text)]
+    bad = [o.text for o in finished if not valid(kind, o.text, SCHEMA)]
     assert bad == [], (method, kind, bad)
     assert all(o.token_ids[-1] == EOS for o in finished)
 
