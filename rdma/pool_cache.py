@@ -8,7 +8,9 @@ reservation it makes, so it reserves (and prefill sends) only the pages decode l
 A claim turns the pins into the owner's holds. All of it lives in the control block,
 under the pool's lock, beside the page owners:
 
-- ``page_cached`` / ``page_key``: a page's key once published (never on a free page);
+- ``page_cached`` / ``page_key``: a page's key once published (never on a free page),
+  found by key through the hash table of :mod:`.pool_keys` (``key_table``), which
+  holds exactly the cached pages;
 - ``page_held``: the owner holds the page for one of its sequences (it counts how many
   in its own memory);
 - ``page_pins``: live reservations sharing it, each listing its pins in ``slot_pins``;
@@ -17,13 +19,15 @@ under the pool's lock, beside the page owners:
   ``page_stamp``) only when an allocation finds the free stack empty.
 
 A page is handed out, evicted or rewritten only while nobody holds or pins it. The
-counts derive from the canonical arrays (:meth:`PrefixIndex.rebuild`), so a process
-dying mid-change loses nothing.
+counts and the key table derive from the canonical arrays (:meth:`PrefixIndex.rebuild`),
+so a process dying mid-change loses nothing. A key is cached at most once, so a lookup
+is one probe of the table per key, whatever the pool's size.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .pool_keys import KeyTable
 from .pool_layout import H_CACHE_OWNER, H_CLOCK, H_EVICTABLE, H_EVICTIONS, H_ROOT0, H_ROOT1, ControlBlock
 
 KEY_BYTES = 16
@@ -43,6 +47,7 @@ class PrefixIndex:
 
     def __init__(self, ctl: ControlBlock, num_pages: int, max_pins: int):
         self._ctl, self.num_pages, self.max_pins = ctl, num_pages, max_pins
+        self._keys = KeyTable(ctl)
 
     @property
     def enabled(self) -> bool:
@@ -91,11 +96,7 @@ class PrefixIndex:
     # -- lookups ----------------------------------------------------------------------
     def find(self, key: bytes) -> int:
         """The page cached under ``key``, or -1."""
-        a, b = key_words(key)
-        k = self._ctl.page_keys
-        hit = np.flatnonzero((self._ctl.page_cached == 1) & (k[:, 0] == np.uint64(a))
-                             & (k[:, 1] == np.uint64(b)))
-        return int(hit[0]) if len(hit) else -1
+        return self._keys.find(*key_words(key))
 
     def chain(self, keys: list[bytes]) -> list[int]:
         """The pages of the longest cached prefix of ``keys`` (nothing is taken)."""
@@ -141,6 +142,7 @@ class PrefixIndex:
         c.page_keys[page] = key_words(key)
         c.page_cached[page] = 1
         c.page_held[page] = 1
+        self._keys.insert(page)
         return True
 
     def drop(self, pages) -> int:
@@ -149,7 +151,7 @@ class PrefixIndex:
         c = self._ctl
         pages = np.asarray(pages, dtype=np.int64)
         mask = (c.page_cached[pages] == 1) & (c.page_held[pages] == 1) & (c.page_pins[pages] == 0)
-        c.page_cached[pages[mask]] = 0
+        self._uncache(pages[mask])
         return int(mask.sum())
 
     def reset(self) -> list[int]:
@@ -159,6 +161,7 @@ class PrefixIndex:
         c = self._ctl
         evictable = np.flatnonzero(self._evictable_mask())
         c.page_cached[:] = 0
+        self._keys.clear()
         c.hdr[H_EVICTABLE] = 0
         return evictable.tolist()
 
@@ -206,16 +209,22 @@ class PrefixIndex:
             return []
         if n < len(cand):
             cand = cand[np.argpartition(c.page_stamp[cand], n - 1)[:n]]
-        c.page_cached[cand] = 0
+        self._uncache(cand)
         c.hdr[H_EVICTABLE] -= len(cand)
         c.hdr[H_EVICTIONS] += len(cand)
         return cand.tolist()
 
     def cleared(self, pages: np.ndarray) -> None:
         """``pages`` went back to the free stack: no key, hold or pin stays on them."""
+        self._uncache(pages)
+        self._ctl.page_held[pages] = 0
+
+    def _uncache(self, pages: np.ndarray) -> None:
+        """Those of ``pages`` that are cached lose their key."""
         c = self._ctl
-        c.page_cached[pages] = 0
-        c.page_held[pages] = 0
+        for p in np.unique(pages[c.page_cached[pages] == 1]).tolist():
+            self._keys.remove(p)
+            c.page_cached[p] = 0
 
     def _stamp(self, pages: np.ndarray) -> None:
         c = self._ctl
@@ -232,6 +241,7 @@ class PrefixIndex:
         c.page_pins[:] = 0
         c.page_cached[c.page_owner == 0] = 0
         c.page_held[c.page_owner == 0] = 0
+        self._keys.rebuild(np.flatnonzero(c.page_cached == 1))
         for slot in np.flatnonzero(live):
             np.add.at(c.page_pins, np.asarray(self.pinned(int(slot)), dtype=np.int64), 1)
         c.hdr[H_EVICTABLE] = int(self._evictable_mask().sum())

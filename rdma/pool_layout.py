@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import PoolError
 from .plan import ModelSpec, ShardScheme
+from .pool_keys import key_table_size
 from .wire import MAX_SLOTS, SECRET_BYTES, Reader, decode_models, encode_models
 
 SHM_DIR = "/dev/shm"
@@ -243,7 +244,8 @@ def _arrays(spec: PoolSpec) -> list[tuple[str, np.dtype, int]]:
         ("slot_secret", np.uint8, slots * SECRET_BYTES),
         ("context", np.uint8, slots * spec.context_bytes),
         # the prefix cache (pool_cache.py): a published page's key, whether the cache's
-        # owner (decode) holds it, how many reservations share it, when it was last freed
+        # owner (decode) holds it, how many reservations share it, when it was last freed;
+        # the key -> page hash table of the cached pages (pool_keys.py)
         ("page_key", np.uint64, 2 * pages),
         ("page_cached", np.uint8, pages),
         ("page_held", np.uint8, pages),
@@ -251,6 +253,7 @@ def _arrays(spec: PoolSpec) -> list[tuple[str, np.dtype, int]]:
         ("page_stamp", np.int64, pages),
         ("slot_num_pins", np.uint32, slots),
         ("slot_pins", np.int32, slots * spec.max_pins),
+        ("key_table", np.int32, key_table_size(pages)),
     ]
 
 

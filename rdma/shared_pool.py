@@ -5,7 +5,8 @@
 
 - :mod:`.pool_layout` — the files, the control file's header and arrays, mapping;
 - :mod:`.pool_pages` — who holds each page, and the free stack;
-- :mod:`.pool_cache` — the prefix cache: published pages, their sharers, eviction;
+- :mod:`.pool_cache` — the prefix cache: published pages, their sharers, eviction
+  (found by key through the hash table of :mod:`.pool_keys`);
 - :mod:`.pool_owners` — the attached processes and whether they still live;
 - :mod:`.reservations` — the slots' lifecycle, generations, leases and counters.
 

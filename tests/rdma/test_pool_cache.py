@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import types
 from collections import Counter
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 from tandem.rdma import PoolExhausted, PoolError, SharedKVPool
 from tandem.rdma.plan import ModelSpec
-from tandem.rdma.pool_layout import H_FREE_TOP
+from tandem.rdma.pool_keys import KeyTable
+from tandem.rdma.pool_layout import H_DIRTY, H_FREE_TOP
 from tandem.rdma.reservations import CANCELLED, READY
 
 from .pool_helpers import cache_hold
@@ -142,6 +144,72 @@ def test_drop_withdraws_only_pages_nobody_else_uses(pools):
     assert dec.cache_drop(shared + pages) == 1
     assert xfer.cache_lookup([key(5)]) == 0 and xfer.cache_lookup([key(0)]) == 1
     assert xfer.fail(slot, gen, CANCELLED)
+
+
+def test_a_lookup_stays_right_after_evictions_and_page_reuse(pools):
+    """Pages evicted and published again under other keys, round after round: every
+    key is found on the page it is cached on now, by both processes, and an evicted
+    key nowhere."""
+    rng = random.Random(1)
+    dec, xfer = pools(num_pages=6, max_pins=4)
+    cached: dict[bytes, int] = {}          # what the cache must hold: key -> page
+    for round_ in range(40):
+        seq = dec.alloc(rng.randint(1, 6))     # evicts the least recently freed first
+        evicted = {k for k, p in cached.items() if p in seq}
+        cached = {k: p for k, p in cached.items() if k not in evicted}
+        cache_hold(dec, seq)
+        for p in rng.sample(seq, rng.randint(0, len(seq))):
+            k = key(rng.choice([rng.randrange(12), 100 + round_]))
+            if dec.cache_publish(p, k):
+                assert k not in cached
+                cached[k] = p
+            else:
+                assert k in cached      # a key is cached once; the page stays private
+        dec.cache_free(seq)
+        for k in (key(i) for i in [*range(12), *range(100, 101 + round_)]):
+            want = [cached[k]] if k in cached else []
+            assert xfer.cache_lookup([k]) == len(want)
+            assert dec.cache_match([k]) == want
+            dec.cache_free(want)
+        assert dec.cache_counts()[0] == len(cached)
+    assert dec.cache_counts()[1] > 20      # it evicted
+
+
+def test_a_process_dying_mid_change_leaves_a_key_table_that_is_rebuilt(pools):
+    dec, xfer = pools()
+    cache_pages(dec, 3)
+    dec._ctl.key_table[:] = 0        # torn half-way through a change: the flag stays set
+    dec._ctl.hdr[H_DIRTY] = 1
+    assert xfer.cache_lookup([key(0), key(1), key(2)]) == 3
+
+
+@pytest.mark.parametrize("num_pages", [1, 5, 64])
+@pytest.mark.parametrize("collide", [False, True])
+def test_the_key_table_agrees_with_a_dict(num_pages, collide, monkeypatch):
+    """Random inserts and removals, with every key hashing to one entry too (one run
+    wrapping round the table): a key is found exactly while its page is indexed."""
+    if collide:
+        monkeypatch.setattr(KeyTable, "_home", lambda self, a, b, mask: mask)
+    size = 1 << (2 * num_pages - 1).bit_length()
+    ctl = types.SimpleNamespace(key_table=np.zeros(size, np.int32),
+                                page_keys=np.zeros((num_pages, 2), np.uint64))
+    table, rng, want = KeyTable(ctl), random.Random(num_pages), {}
+    for _ in range(2000):
+        page = rng.randrange(num_pages)
+        if page in want.values():
+            table.remove(page)
+            want = {k: p for k, p in want.items() if p != page}
+        else:
+            k = (rng.randrange(1 << 64), rng.randrange(4))
+            if k in want:
+                continue
+            ctl.page_keys[page] = k
+            table.insert(page)
+            want[k] = page
+        assert sorted(ctl.key_table[ctl.key_table > 0] - 1) == sorted(want.values())
+        for k, p in want.items():
+            assert table.find(*k) == p
+        assert table.find(rng.randrange(1 << 64), 9) == -1
 
 
 def test_a_claim_of_shared_pages_by_another_process_is_refused(pools):
@@ -277,7 +345,11 @@ def _check(pool: SharedKVPool, held: list[int], live) -> None:
     for slot in np.flatnonzero(pool._slots.live()):
         np.add.at(pins, pool._cache.pinned(int(slot)), 1)
     assert (pins == c.page_pins).all()
-    before = (pool.num_free, c.page_pins.copy())
+    cached = np.flatnonzero(c.page_cached == 1)      # the key table indexes exactly these
+    assert sorted(c.key_table[c.key_table > 0] - 1) == cached.tolist()
+    assert all(pool._cache.find(c.page_keys[p].tobytes()) == p for p in cached)
+    before = (pool.num_free, c.page_pins.copy(), c.key_table.copy())
     with pool._locked():
         pool._pages.rebuild(pool._slots.live())
     assert pool.num_free == before[0] and (c.page_pins == before[1]).all()
+    assert sorted(c.key_table[c.key_table > 0]) == sorted(before[2][before[2] > 0])
