@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from .disagg_common import token_ids
 from .metrics import Poller, PrefillMetrics
-from .prefill_model import PrefillModel
+from .prefill_base import PrefillModel
 from .settings import EngineSettings
 
 

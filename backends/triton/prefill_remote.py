@@ -9,7 +9,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from .prefill_model import PrefillModel
+from .prefill_base import PrefillModel
 from tandem.backends.disagg.prefix_affinity import AffinityPolicy
 
 from .prefill_router import PrefillRouter, parse_endpoints
