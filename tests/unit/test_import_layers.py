@@ -3,6 +3,10 @@
     models, kv_cache -> attention -> speculative -> engine -> training | disagg -> triton -> client
     rdma: a leaf beside them, used by disagg, triton and client only
 
+No cycle either, between packages or between modules: the imports a module runs when
+it is imported (not those inside functions, nor ``if TYPE_CHECKING:`` ones) never lead
+back to it.
+
 Third-party rules: only ``backends/triton`` imports Triton's Python utilities; only
 ``backends/triton`` and ``client`` import ``tritonclient``; ``rdma`` imports torch only
 inside the functions that are handed a tensor.
@@ -45,6 +49,7 @@ class Import:
     line: int
     target: str      # absolute module name
     top_level: bool  # runs when the module is imported (not inside a function)
+    names: tuple[str, ...] = ()   # "from target import names"
 
 
 def layer_of(module: str) -> str | None:
@@ -85,21 +90,36 @@ def imports_of(src: Source) -> list[Import]:
     rel = src.path
     found: list[Import] = []
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, deferred: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                found.extend(Import(rel, child.lineno, a.name, not in_function) for a in child.names)
+                found.extend(Import(rel, child.lineno, a.name, not deferred) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 base = _resolve(child, module, is_pkg)
                 # "from . import x" names submodules: record each as its own target
-                targets = ([f"{base}.{a.name}" for a in child.names] if not child.module
-                           else [base])
-                found.extend(Import(rel, child.lineno, t, not in_function) for t in targets)
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                           ast.Lambda)))
+                if not child.module:
+                    found.extend(Import(rel, child.lineno, f"{base}.{a.name}", not deferred)
+                                 for a in child.names)
+                else:
+                    found.append(Import(rel, child.lineno, base, not deferred,
+                                        tuple(a.name for a in child.names)))
+            if _is_type_checking(child):   # its body runs only under a type checker
+                visit(ast.Module(child.body, []), True)
+                visit(ast.Module(child.orelse, []), deferred)
+            else:
+                visit(child, deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                            ast.Lambda)))
 
     visit(ast.parse(src.text, rel), False)
     return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If):
+        return False
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING"
+            or isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
 def source_files() -> list[Source]:
@@ -138,7 +158,8 @@ def third_party_violations(files: list[Source]) -> list[str]:
 
 
 def package_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle found by depth-first search over ``edges`` (layer -> layers it imports)."""
+    """Every cycle found by depth-first search over ``edges`` (layer -> layers it imports,
+    or module -> modules)."""
     cycles, state = [], {}
 
     def dfs(node: str, stack: list[str]) -> None:
@@ -167,6 +188,56 @@ def actual_edges(files: list[Source]) -> dict[str, set[str]]:
     return edges
 
 
+def lazy_exports_of(src: Source) -> dict[str, str]:
+    """A package ``__init__``'s ``_EXPORTS`` (name -> the absolute module defining it)."""
+    package = module_name(src.path)[0]
+    for node in ast.parse(src.text, src.path).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)):
+            return {k.value: package + v.value for k, v in zip(node.value.keys, node.value.values)}
+    return {}
+
+
+def module_graph(files: list[Source]) -> dict[str, dict[str, str]]:
+    """module -> {module its import runs: where ("path:line")}, over the imports that run
+    when a module is imported. Importing ``a.b.c`` runs the packages ``a.b`` and ``a``
+    first (those the importer is not inside); a name a package exports lazily loads the
+    module that defines it."""
+    sources = {module_name(s.path)[0]: s for s in files}
+    lazy = {m: lazy_exports_of(s) for m, s in sources.items() if s.path.endswith("__init__.py")}
+
+    def loaded(imp: Import, inside: set[str]) -> list[str]:
+        target, names = imp.target, imp.names
+        if target not in sources:   # "from pkg import name": a name, not a submodule
+            target, _, name = target.rpartition(".")
+            names = (name,)
+        out = [target]
+        for name in names:
+            sub = f"{target}.{name}"
+            out.append(sub if sub in sources else lazy.get(target, {}).get(name, target))
+        parts = target.split(".")
+        return out + [p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                      if p not in inside]
+
+    graph: dict[str, dict[str, str]] = {}
+    for module, src in sources.items():
+        out = graph.setdefault(module, {})
+        inside = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+        for imp in imports_of(src):
+            if imp.top_level:
+                for m in loaded(imp, inside):
+                    if m in sources and m != module:
+                        out.setdefault(m, f"{imp.path}:{imp.line}")
+    return graph
+
+
+def module_cycles(files: list[Source]) -> list[str]:
+    """Each import cycle between modules, as ``a -> b -> a`` with where each import is."""
+    graph = module_graph(files)
+    return [" -> ".join(cycle) + " (" + ", ".join(graph[a][b] for a, b in zip(cycle, cycle[1:])) + ")"
+            for cycle in package_cycles({m: set(out) for m, out in graph.items()})]
+
+
 # -- the rules, on the tree --------------------------------------------------------------
 
 def test_every_import_points_down_the_layer_order():
@@ -180,6 +251,11 @@ def test_only_backends_triton_speaks_triton_and_rdma_loads_torch_lazily():
 def test_no_cycle_between_packages():
     assert package_cycles(ALLOWED) == []                 # the order itself
     assert package_cycles(actual_edges(source_files())) == []
+
+
+def test_no_import_cycle_between_modules():
+    cycles = module_cycles(source_files())
+    assert not cycles, "import cycles (a module's imports lead back to it):\n" + "\n".join(cycles)
 
 
 def test_the_thin_adapters_import_only_backends_triton():
@@ -250,3 +326,31 @@ def test_rdma_may_import_torch_inside_a_function():
 def test_a_cycle_is_found():
     assert package_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert package_cycles({"a": {"b"}, "b": set()}) == []
+
+
+PROBE = "tandem.backends.kv_cache"
+
+
+@pytest.mark.parametrize("b_code, cycle", [
+    ("from ._a import X\n", [f"{PROBE}._a", f"{PROBE}._b", f"{PROBE}._a"]),
+    ("from . import A\n", [f"{PROBE}._a", f"{PROBE}._b", f"{PROBE}._a"]),   # a lazy export
+    ("import tandem.backends.kv_cache._a as a\n", [f"{PROBE}._a", f"{PROBE}._b", f"{PROBE}._a"]),
+    ("def f():\n    from ._a import X\n", None),        # runs when called, not when imported
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._a import X\n", None),
+])
+def test_a_module_level_import_cycle_is_reported(b_code, cycle):
+    files = [Source("backends/kv_cache/__init__.py", '_EXPORTS = {"A": "._a"}\n'),
+             Source("backends/kv_cache/_a.py", "from ._b import B\n"),
+             Source("backends/kv_cache/_b.py", b_code)]
+    found = module_cycles(files)
+    if cycle is None:
+        assert found == []
+    else:
+        (msg,) = found
+        assert msg.startswith(" -> ".join(cycle) + " (backends/kv_cache/_a.py:1, backends/kv_cache/_b.py:")
+
+
+def test_a_module_importing_a_name_of_its_eager_package_is_a_cycle():
+    files = [Source("rdma/__init__.py", "from ._a import A\n"), Source("rdma/_a.py", "from . import B\n")]
+    (msg,) = module_cycles(files)
+    assert msg == "tandem.rdma -> tandem.rdma._a -> tandem.rdma (rdma/__init__.py:1, rdma/_a.py:1)"
