@@ -17,6 +17,7 @@ from tandem.rdma import DestinationDescriptor
 from tandem.rdma.shared_pool import CANCELLED
 from tandem.rdma.wire import MalformedMessage
 
+from ..rdma.fixtures import started_peers
 from ..rdma.peers import wait_for
 from .peers import Peer
 
@@ -48,15 +49,8 @@ def reserve(rx_peer, model_dir, n=len(PROMPT) - 1) -> DestinationDescriptor:
 
 @pytest.fixture
 def doomed_peer():
-    peers = []
-
-    def make(name):
-        p = Peer.started(name)
-        peers.append(p)
-        return p
-    yield make
-    for p in peers:
-        p.close()
+    with started_peers(Peer) as start:
+        yield start
 
 
 def test_a_cancelled_request_frees_its_reservation_and_stops_its_prefill(

@@ -6,7 +6,7 @@ import pytest
 
 from tandem.rdma import PoolSpec, SharedKVPool
 
-from .fixtures import fresh_pools, session_peer
+from .fixtures import fresh_pools, session_peer, started_peers
 from .peers import Peer
 
 
@@ -27,13 +27,5 @@ tx1 = session_peer("tx1", Peer, "tx1")
 @pytest.fixture
 def fresh_peers():
     """Peers that a test may kill; closed (or reaped) afterwards."""
-    made = []
-
-    def make(name):
-        p = Peer.started(name)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
+    with started_peers(Peer) as start:
+        yield start

@@ -1,6 +1,6 @@
 """The fixtures tests/rdma and tests/disagg both need, made here once: shared KV pools
-with unique names (unlinked after the test), and peer processes that live for the
-session."""
+with unique names (unlinked after the test), peer processes that live for the session,
+and peers a test may kill."""
 from __future__ import annotations
 
 import itertools
@@ -33,6 +33,24 @@ def fresh_pools(prefix: str, create):
         for pool in pools:
             pool.close(release=False)
             pool.unlink()
+
+
+@contextmanager
+def started_peers(peer_cls):
+    """``start(role)`` -> a ``peer_cls`` process a test may kill; every one started is
+    closed (or reaped) on exit."""
+    made = []
+
+    def start(role: str):
+        p = peer_cls.started(role)
+        made.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        for p in made:
+            p.close()
 
 
 def session_peer(fixture_name: str, peer_cls, role: str):
