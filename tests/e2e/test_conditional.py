@@ -14,10 +14,8 @@ import time
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
 
-from .triton_calls import metric
+from .triton_calls import busy_pages, eventually, metric, pages_back, settled
 
 pytestmark = pytest.mark.e2e
 DISAGG, COLOCATED = "tandem", "tandem_colocated"
@@ -28,36 +26,22 @@ LONG = "# " + "the quick brown fox jumps over the lazy dog " * 3
 SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 
 
-def _start(run_dir, checkpoint, **options):
-    srv = TritonServer(ServeOptions.of(model_dir=str(checkpoint), torch_threads=1, mode="both",
-                                    disagg_policy=POLICY, **SETTINGS, **options),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
-                       exit_timeout_s=30)
-    srv.start()
-    return srv
+def _serve(serve, name, **options):
+    return serve(name, 300, mode="both", disagg_policy=POLICY, **SETTINGS, **options)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
-    srv = _start(tmp_path_factory.mktemp("serve-conditional"), demo_checkpoint)
-    try:
+def server(serve):
+    with _serve(serve, "serve-conditional") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), **SETTINGS)
-    lengths = {p: len(llm.engine.tokenize(p)) for p in (SHORT, LONG)}
+def reference(greedy_reference):
+    greedy = greedy_reference(12, **SETTINGS)
+    lengths = {p: len(greedy.llm.engine.tokenize(p)) for p in (SHORT, LONG)}
     assert lengths[SHORT] <= LOCAL_PROMPT_TOKENS < lengths[LONG], lengths
-    return {p: llm.generate(p, SamplingParams(max_tokens=12, temperature=0.0))[0].text
-            for p in (SHORT, LONG)}
+    return {p: greedy(p).text for p in (SHORT, LONG)}
 
 
 def _text(srv, model, prompt):
@@ -82,9 +66,16 @@ def test_each_prompt_takes_its_path_and_decodes_the_colocated_text(server, refer
     assert _text(server, COLOCATED, prompt) == reference[prompt]
     after = _routed(server)
     assert {k: after[k] - before[k] for k in after} == {k: float(k == route) for k in after}
-    time.sleep(0.6)   # one poll of kv_transfer's metrics thread
-    moved = metric(server, "tandem_kv_received_bytes_total", "kv_transfer") - received
-    assert (moved > 0) == (route[0] == "remote")   # the local path transfers nothing
+
+    def moved():
+        return metric(server, "tandem_kv_received_bytes_total", "kv_transfer") - received
+
+    def remote_moved():
+        assert moved() > 0
+    if route[0] == "remote":
+        eventually(remote_moved)
+    else:
+        assert settled(moved) == 0     # the local path transfers nothing
 
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["local", "remote"])
@@ -92,7 +83,7 @@ def test_a_cancelled_stream_frees_its_pages_on_either_path(server, reference, pr
     import tritonclient.grpc as grpcclient
 
     aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
-    idle_pages = _pages(server)
+    idle_pages = settled(lambda: busy_pages(server, "decode"))
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -107,30 +98,19 @@ def test_a_cancelled_stream_frees_its_pages_on_either_path(server, reference, pr
     while metric(server, "tandem_requests_finished_total", "decode", reason="abort") < aborted_before + 1:
         assert time.monotonic() < deadline, "decode did not abort the cancelled request"
         time.sleep(0.1)
-    deadline = time.monotonic() + 10
-    while _pages(server) != idle_pages:
-        assert time.monotonic() < deadline, "the cancelled request's pages were not freed"
+    pages_back(server, idle_pages, "decode", failing="the cancelled request's pages were not freed")
     assert metric(server, "tandem_requests_in_engine", "decode") == 0
     assert _text(server, DISAGG, prompt) == reference[prompt]
 
 
-def _pages(server) -> tuple[float, float]:
-    time.sleep(0.6)   # one poll of the metrics thread
-    return (metric(server, "tandem_kv_pages", "decode", state="in_use"),
-            metric(server, "tandem_kv_pages", "decode", state="reserved"))
-
-
 @pytest.fixture(scope="module", params=["mtp", "draft_target", "ngram"])
-def spec_server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
+def spec_server(request, serve, demo_checkpoint, random_mtp_head):
     method = request.param
     extra = {"mtp": {"mtp_head": str(random_mtp_head)},
              "draft_target": {"draft_model": str(demo_checkpoint)}, "ngram": {}}[method]
-    srv = _start(tmp_path_factory.mktemp(f"serve-conditional-{method}"), demo_checkpoint,
-                 spec_method=method, num_speculative_tokens=3, **extra)
-    try:
+    with _serve(serve, f"serve-conditional-{method}", spec_method=method, num_speculative_tokens=3,
+                **extra) as srv:
         yield method, srv
-    finally:
-        srv.stop()
 
 
 def test_speculation_is_lossless_on_both_paths(spec_server, reference):
@@ -141,7 +121,9 @@ def test_speculation_is_lossless_on_both_paths(spec_server, reference):
         assert _text(srv, COLOCATED, prompt) == reference[prompt], prompt
     after = _routed(srv)
     assert all(after[k] - before[k] == 1 for k in after), (before, after)
-    time.sleep(0.6)
-    assert metric(srv, "tandem_spec_drafts_total", "decode") > 0
-    if method == "draft_target":   # the model drafting for itself: a wrong draft KV would show
-        assert metric(srv, "tandem_spec_acceptance_rate", "decode") == 1.0
+
+    def drafted():
+        assert metric(srv, "tandem_spec_drafts_total", "decode") > 0
+        if method == "draft_target":   # the model drafting for itself: a wrong draft KV would show
+            assert metric(srv, "tandem_spec_acceptance_rate", "decode") == 1.0
+    eventually(drafted)

@@ -17,7 +17,8 @@ from tandem.client.generate import build_inputs, parse_response, stream_generate
 from tandem.client.serve.options import MODES
 from tandem.client.serve.triton_server import stub_processes
 
-from .triton_calls import first_answer, http_post, metric, served, sse_events, tensors
+from .triton_calls import (busy_pages, eventually, first_answer, http_post, metric, pages_back, settled, sse_events,
+                           tensors)
 
 pytestmark = pytest.mark.e2e
 DISAGG, COLOCATED, TOKENS = "tandem", "tandem_colocated", "tandem_tokens"
@@ -28,30 +29,32 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
+def server(serve):
     # six stubs load slowly on a busy machine
-    with served(tmp_path_factory.mktemp("serve-disagg"), 300, model_dir=str(demo_checkpoint),
-                torch_threads=1, mode="both", disagg_policy="remote", **SETTINGS) as srv:
+    with serve("serve-disagg", 300, mode="both", disagg_policy="remote", **SETTINGS) as srv:
         yield srv
+        stop_removes_processes_and_the_shared_pool(srv)
+
+
+def stop_removes_processes_and_the_shared_pool(server):
+    """The teardown check of ``server``, after every test of the module that used it."""
+    pid = server.process.pid
+    # preprocess, kv_transfer, prefill, decode, postprocess, llm
+    assert len(stub_processes(server.run_dir)) == 6
+    server.stop()
+    assert stub_processes(server.run_dir) == []
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{pid}-")]
+    # every model unloaded cleanly: no stub crashed, no cancelled request was left in flight
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
+    assert "Caught signal" not in log and "Segmentation fault" not in log
+    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
+    assert log.count("successfully unloaded") == len(MODES["both"])   # six models, three ensembles
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), **SETTINGS)
-    cache = {}
-
-    def greedy(prompt, max_tokens=10):
-        """``LLM.generate``'s greedy completion (token ids, text)."""
-        from tandem.backends.engine.params import SamplingParams
-        key = (tuple(prompt) if isinstance(prompt, list) else prompt, max_tokens)
-        if key not in cache:
-            cache[key] = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
-        return cache[key]
-    return greedy
+def reference(greedy_reference):
+    """``LLM.generate``'s greedy completion (token ids, text), 10 tokens unless asked."""
+    return greedy_reference(10, **SETTINGS)
 
 
 def _stream(server, model, prompt, **params):
@@ -107,7 +110,7 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
     import tritonclient.grpc as grpcclient
 
     aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
-    idle_pages = _pages_in_use(server)
+    idle_pages = settled(lambda: busy_pages(server, "decode"))
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -128,10 +131,7 @@ def test_cancelled_stream_is_aborted_in_decode_and_the_server_stays_healthy(serv
         time.sleep(0.1)
     assert metric(server, "tandem_requests_in_engine", "decode") == 0
     # the sequence's decode pages went back (the gauge is refreshed every 0.5 s)
-    deadline = time.monotonic() + 10
-    while _pages_in_use(server) != idle_pages:
-        assert time.monotonic() < deadline, "the cancelled request's pages were not freed"
-        time.sleep(0.2)
+    pages_back(server, idle_pages, "decode", failing="the cancelled request's pages were not freed")
     assert server.is_ready()
     assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
 
@@ -142,7 +142,7 @@ def test_closing_the_sse_connection_aborts_the_stream(server, reference):
     import http.client
     import json
     aborted_before = metric(server, "tandem_requests_finished_total", "decode", reason="abort")
-    idle_pages = _pages_in_use(server)
+    idle_pages = settled(lambda: busy_pages(server, "decode"))
     host, port = server.http_url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", f"/v2/models/{DISAGG}/generate_stream",
@@ -156,31 +156,25 @@ def test_closing_the_sse_connection_aborts_the_stream(server, reference):
     while metric(server, "tandem_requests_finished_total", "decode", reason="abort") < aborted_before + 1:
         assert time.monotonic() < deadline, "decode did not abort the abandoned stream"
         time.sleep(0.1)
-    deadline = time.monotonic() + 10
-    while _pages_in_use(server) != idle_pages:
-        assert time.monotonic() < deadline, "the abandoned stream's pages were not freed"
+    pages_back(server, idle_pages, "decode", failing="the abandoned stream's pages were not freed")
     assert _stream(server, DISAGG, PROMPTS[2])[0] == reference(PROMPTS[2]).text
-
-
-def _pages_in_use(server) -> tuple[float, float]:
-    time.sleep(0.6)   # one poll of the metrics thread
-    return (metric(server, "tandem_kv_pages", "decode", state="in_use"),
-            metric(server, "tandem_kv_pages", "decode", state="reserved"))
 
 
 def test_metrics_cover_latency_tokens_and_the_kv_transfer(server, reference):
     _stream(server, DISAGG, PROMPTS[1])
     _stream(server, COLOCATED, PROMPTS[1])
-    time.sleep(0.6)
-    for model in ("decode", "llm"):
-        assert metric(server, "tandem_time_to_first_token_seconds_count", model) >= 1
-        assert metric(server, "tandem_inter_token_latency_seconds_count", model) >= 1
-        assert metric(server, "tandem_generation_tokens_total", model) >= 10
-        assert metric(server, "tandem_prompt_tokens_total", model) >= 1
-        assert metric(server, "tandem_kv_pages", model, state="free") > 0
-    assert metric(server, "tandem_kv_received_bytes_total", "kv_transfer") > 0
-    assert metric(server, "tandem_kv_reservations_total", "kv_transfer") >= 1
-    assert metric(server, "tandem_kv_transfer_seconds_count", "kv_transfer") >= 1
+
+    def counted():
+        for model in ("decode", "llm"):
+            assert metric(server, "tandem_time_to_first_token_seconds_count", model) >= 1
+            assert metric(server, "tandem_inter_token_latency_seconds_count", model) >= 1
+            assert metric(server, "tandem_generation_tokens_total", model) >= 10
+            assert metric(server, "tandem_prompt_tokens_total", model) >= 1
+            assert metric(server, "tandem_kv_pages", model, state="free") > 0
+        assert metric(server, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+        assert metric(server, "tandem_kv_reservations_total", "kv_transfer") >= 1
+        assert metric(server, "tandem_kv_transfer_seconds_count", "kv_transfer") >= 1
+    eventually(counted)
 
 
 def _one(value, dtype):
@@ -297,17 +291,3 @@ def test_a_subnormal_temperature_beside_greedy_streams_breaks_nothing(server, re
     texts = _batch(server, [*greedy[:2], tiny, *greedy[2:]], model)
     assert texts[:2] + texts[3:] == [reference(p, 8).text for p, _ in greedy]
     assert texts[2] == reference(tiny[0], 8).text
-
-
-def test_zz_stop_removes_processes_and_the_shared_pool(server):
-    pid = server.process.pid
-    # preprocess, kv_transfer, prefill, decode, postprocess, llm
-    assert len(stub_processes(server.run_dir)) == 6
-    server.stop()
-    assert stub_processes(server.run_dir) == []
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{pid}-")]
-    # every model unloaded cleanly: no stub crashed, no cancelled request was left in flight
-    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
-    assert "Caught signal" not in log and "Segmentation fault" not in log
-    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
-    assert log.count("successfully unloaded") == len(MODES["both"])   # six models, three ensembles

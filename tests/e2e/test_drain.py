@@ -18,14 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
 from tandem.client.serve.process_group import kill_group, live_processes
 from tandem.client.serve.triton_server import free_port, remove_orphan_segments, stub_processes
+
+from .triton_calls import http_get
 
 pytestmark = pytest.mark.e2e
 TOKENS = 1500
@@ -52,13 +52,7 @@ def deep_checkpoint(demo_checkpoint, tmp_path_factory):
 
 
 def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return 0     # nothing listens (the server is gone)
+    return http_get(url, 5)[0]     # 0: nothing listens (the server is gone)
 
 
 def children(pid: int) -> list[int]:

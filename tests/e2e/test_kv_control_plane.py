@@ -20,10 +20,8 @@ import numpy as np
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
 
-from .triton_calls import TRITON_TYPES, first_answer, metric
+from .triton_calls import busy_pages, eventually, first_answer, metric, pages_back, settled, tensors
 
 pytestmark = pytest.mark.e2e
 PAGE_SIZE, MAX_TOKENS = 4, 24
@@ -45,53 +43,19 @@ def long_pages(tokenizer) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint, long_pages):
-    run_dir = tmp_path_factory.mktemp("serve-kv-control")
+def server(serve, long_pages):
     # about 2.5 long requests fit; each holds its reservation until decode claims it
-    options = ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
-                           page_size=PAGE_SIZE, max_num_batched_tokens=16,
-                           num_pages=int(2.5 * long_pages), disagg_policy="remote")
-    srv = TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
-                       ready_timeout_s=300, exit_timeout_s=30)
-    try:
-        srv.start()
+    with serve("serve-kv-control", 300, max_num_seqs=8, page_size=PAGE_SIZE, max_num_batched_tokens=16,
+               num_pages=int(2.5 * long_pages), disagg_policy="remote") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), page_size=PAGE_SIZE)
-    cache = {}
-
-    def greedy(prompt, max_tokens=MAX_TOKENS):
-        key = (tuple(prompt) if isinstance(prompt, list) else prompt, max_tokens)
-        if key not in cache:
-            cache[key] = llm.generate(prompt, SamplingParams(max_tokens=max_tokens,
-                                                             temperature=0.0))[0]
-        return cache[key]
-    return greedy
+def reference(greedy_reference):
+    return greedy_reference(MAX_TOKENS, page_size=PAGE_SIZE)
 
 
 # -- calling the internal models by hand ------------------------------------------------------
-def tensors(**values: np.ndarray) -> list:
-    """gRPC inputs exactly as given (UINT8 too: descriptors)."""
-    import tritonclient.grpc as grpcclient
-    types = {**TRITON_TYPES, np.dtype(np.uint8): "UINT8"}
-    out = []
-    for name, arr in values.items():
-        t = grpcclient.InferInput(name, list(arr.shape), types[arr.dtype])
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
-
-
 def _ids(tokenizer, text) -> list[int]:
     return tokenizer.encode(text).ids
 
@@ -212,19 +176,20 @@ def test_a_request_cancelled_while_its_kv_is_awaited_gives_its_reservation_up(
     reservation is given up at once — a prefill that comes later is refused by the
     receiver and stops — and its pages come back."""
     import tritonclient.grpc as grpcclient
-    idle = _pool_gauges(server)
+    idle = settled(lambda: _pool_pages(server))
     ids = _ids(tokenizer, LONG)
     desc = _kv_transfer(server, ids)
-    assert _pool_gauges(server) != idle                      # pages reserved
+
+    def reserved():
+        assert _pool_pages(server) != idle                   # pages reserved
+    eventually(reserved)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: None)
     client.async_stream_infer("decode", _decode_inputs(ids, desc), enable_empty_final_response=True)
     time.sleep(0.5)                                          # decode waits for the KV
     client.stop_stream(cancel_requests=True)
     client.close()
-    deadline = time.monotonic() + 60
-    while _pool_gauges(server) != idle:
-        assert time.monotonic() < deadline, "the cancelled request's reservation was not freed"
+    pages_back(server, idle, *POOL_MODELS, failing="the cancelled request's reservation was not freed")
     from tandem.rdma import DestinationDescriptor
     d = DestinationDescriptor.from_bytes(desc)
     assert _prefill(server, ids, desc) == (True, "")         # too late: refused when it opens
@@ -233,14 +198,15 @@ def test_a_request_cancelled_while_its_kv_is_awaited_gives_its_reservation_up(
     while refused not in server.log_file.read_text(errors="replace"):
         assert time.monotonic() < deadline, "the prefill was not told the request went away"
         time.sleep(0.2)
-    assert _pool_gauges(server) == idle
+    assert settled(lambda: _pool_pages(server)) == idle
 
 
 # -- the pool under pressure ------------------------------------------------------------------
-def _pool_gauges(server) -> tuple[float, ...]:
-    time.sleep(0.6)   # one poll of the metrics threads
-    return tuple(metric(server, "tandem_kv_pages", model, state=state)
-                 for model in ("decode", "kv_transfer") for state in ("in_use", "reserved"))
+POOL_MODELS = ("decode", "kv_transfer")
+
+
+def _pool_pages(server) -> tuple[float, ...]:
+    return busy_pages(server, *POOL_MODELS)
 
 
 def _one(server, prompt, cancel_after: int | None, results: list, refusals: list, i: int) -> None:
@@ -280,7 +246,7 @@ def _one(server, prompt, cancel_after: int | None, results: list, refusals: list
 
 
 def test_a_small_pool_under_four_times_its_load_aborts_no_batch(server, reference):
-    idle = _pool_gauges(server)
+    idle = settled(lambda: _pool_pages(server))
     prompts = [f"# request {i}\n{LONG}" for i in range(10)]
     cancels = [None, 2, None, None, 1, None, 5, None, None, 3]   # cancelled mid-stream
     results: list = [None] * len(prompts)
@@ -308,8 +274,6 @@ def test_a_small_pool_under_four_times_its_load_aborts_no_batch(server, referenc
     print("outcomes:", kinds, "pool-full answers:", len(refusals))
     assert kinds["ok"] >= 2 and refusals, (kinds, refusals)   # it was over-subscribed
     # every page and reservation comes back (reservations of cancelled requests too)
-    deadline = time.monotonic() + 60
-    while _pool_gauges(server) != idle:
-        assert time.monotonic() < deadline, f"pool not idle: {_pool_gauges(server)} != {idle}"
+    pages_back(server, idle, *POOL_MODELS, failing="pool not idle")
     assert metric(server, "tandem_requests_finished_total", "decode", reason="error") == 0
     assert server.is_ready()

@@ -23,15 +23,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tandem.client.bench.netns import VethPair, netns_problem
 
-from .triton_calls import metric_in
+from .triton_calls import eventually, metric_in
+from .triton_calls import http_get as _get, post as _post   # noqa: F401 - test_images.py takes them from here
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,26 +74,6 @@ def _serve(pair: VethPair, side: str, run_dir: Path, **settings) -> subprocess.P
     out = open(run_dir / "serve.out", "ab")
     return subprocess.Popen(pair.exec(side, str(ENTRYPOINT)), env=env, cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-
-
-def _get(url: str, timeout: float = 10) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return 0, str(e)
-
-
-def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 class Server:
@@ -161,16 +140,10 @@ def servers(link, demo_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
+def reference(greedy_reference):
     """Greedy text of the engine on one host, in this process."""
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), page_size=PAGE_SIZE, max_num_batched_tokens=BATCHED)
-    return {p: llm.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0].text
-            for p in (*PROMPTS, LONG)}
+    greedy = greedy_reference(10, page_size=PAGE_SIZE, max_num_batched_tokens=BATCHED)
+    return {p: greedy(p).text for p in (*PROMPTS, LONG)}
 
 
 def test_greedy_text_over_the_link_equals_single_host(servers, link, reference):
@@ -179,9 +152,11 @@ def test_greedy_text_over_the_link_equals_single_host(servers, link, reference):
         status, out = decode.generate(p)
         assert status == 200, out
         assert out["text_output"] == p + reference[p]     # generate echoes the prompt
-    time.sleep(0.6)   # one poll of the metrics thread
-    assert decode.metric("tandem_kv_received_bytes_total", "kv_transfer") > 0
-    assert decode.metric("tandem_disagg_requests_total", "kv_transfer", path="remote") >= len(PROMPTS)
+
+    def counted():
+        assert decode.metric("tandem_kv_received_bytes_total", "kv_transfer") > 0
+        assert decode.metric("tandem_disagg_requests_total", "kv_transfer", path="remote") >= len(PROMPTS)
+    eventually(counted)
     # UCX's connections (not gRPC's, which has the prefill server's port on one end) join
     # the two addresses; the Python stubs (prefill, kv_transfer) opened them
     for side in "ab":
@@ -254,14 +229,12 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     # at the cut or a little before), not when the posted receives are given up
     assert failed_after <= TRANSFER_TIMEOUT_S + 3
     # every page comes back: the failed reservation's, nothing reserved or in use
-    deadline = time.monotonic() + RECEIVE_DRAIN_S + 20
-    while True:
-        time.sleep(0.6)
+
+    def pages_back():
         pages = {s: decode.metric("tandem_kv_pages", "kv_transfer", state=s)
                  for s in ("free", "reserved", "in_use")}
-        if pages == {"free": free0, "reserved": 0, "in_use": 0}:
-            break
-        assert time.monotonic() < deadline, f"pages never came back: {pages}, {free0} free before"
+        assert pages == {"free": free0, "reserved": 0, "in_use": 0}, f"pages never came back: {pages}, {free0} free before"
+    eventually(pages_back, timeout_s=RECEIVE_DRAIN_S + 20)
     assert decode.metric("tandem_kv_transfer_failures_total", "decode") == failed0 + 1
     # and the prefill server gave its side up (and with it its own pages): when UCX's
     # keepalive reports the decode worker lost, or after kv_transfer_timeout_s + 5 s

@@ -8,14 +8,10 @@ server with Ctrl-C and checks that the API stopped with it.
 """
 from __future__ import annotations
 
-import functools
 import json
 import signal
 import subprocess
-import sys
-import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -23,10 +19,10 @@ import pytest
 
 from tandem.client.generate import stream_generate
 from tandem.client.openai.chat_template import PLAIN
-from tandem.client.serve.process_group import die_with_parent
 from tandem.client.serve.triton_server import free_port
 
-from .triton_calls import metric
+from .servers import serve_command
+from .triton_calls import busy_pages, metric, pages_back, post_json, settled
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -47,38 +43,14 @@ class Served:
 def served(tmp_path_factory, demo_checkpoint):
     run = tmp_path_factory.mktemp("serve-openai")
     http, grpc, metrics, api = (free_port() for _ in range(4))
-    # its own process group and SIGTERM when this process dies: no orphan if pytest is killed
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--threads", "1", "--dtype", "float32", "--enforce-eager",
-         "--max-num-seqs", "8", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
-         "--ready-timeout", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=functools.partial(die_with_parent, None))
-    output: list[str] = []
-    started = threading.Event()
-
-    def drain():   # read everything it prints, so it never blocks on a full pipe
-        for line in proc.stdout:
-            output.append(line)
-            if line.startswith("Ctrl-C to stop."):
-                started.set()
-        started.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert started.wait(360) and proc.poll() is None, "".join(output)
-        assert any(f"http://127.0.0.1:{api}/v1" in line for line in output), "".join(output)
-        yield Served(proc, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
-                     f"http://127.0.0.1:{api}/v1", output)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_command(
+            "--model", str(demo_checkpoint), "--threads", "1", "--dtype", "float32", "--enforce-eager",
+            "--max-num-seqs", "8", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+            "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
+            "--ready-timeout", "300", ready_timeout_s=360) as cmd:
+        assert any(f"http://127.0.0.1:{api}/v1" in line for line in cmd.output), "".join(cmd.output)
+        yield Served(cmd.proc, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
+                     f"http://127.0.0.1:{api}/v1", cmd.output)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +69,7 @@ def ensemble_text(served, prompt: str, max_tokens: int, **params) -> tuple[str, 
 
 
 def post(served, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(served.base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(served.base_url + path, body)
 
 
 def test_models_lists_the_text_ensemble(client):
@@ -180,14 +146,8 @@ def test_an_unknown_model_is_a_404(client):
     assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
 
 
-def _pages(served) -> tuple[float, float]:
-    time.sleep(0.6)   # one poll of the metrics thread
-    return (metric(served, "tandem_kv_pages", "decode", state="in_use"),
-            metric(served, "tandem_kv_pages", "decode", state="reserved"))
-
-
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
-    idle = _pages(served)
+    idle = settled(lambda: busy_pages(served, "decode"))
     aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
     # most of the context (min_tokens: no early end of text): seconds of decoding; closed after 5 chunks
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
@@ -200,9 +160,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
     while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
         assert time.monotonic() < deadline, "the engine did not stop the abandoned stream"
         time.sleep(0.1)
-    deadline = time.monotonic() + 10
-    while _pages(served) != idle:
-        assert time.monotonic() < deadline, "the abandoned stream's pages were not freed"
+    pages_back(served, idle, "decode", failing="the abandoned stream's pages were not freed")
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     assert r.choices[0].text == ensemble_text(served, PROMPT, 6)[0]
 
@@ -213,7 +171,7 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
     ``min_tokens``: the untrained model, sampling, can end its text after a few hundred
     tokens (1.5 s), sooner than the close is seen; 2000 tokens are seconds of decoding."""
     import http.client
-    idle = _pages(served)
+    idle = settled(lambda: busy_pages(served, "decode"))
     aborted = metric(served, "tandem_requests_finished_total", "decode", reason="abort")
     host, port = served.base_url.removeprefix("http://").removesuffix("/v1").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -228,9 +186,7 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
     while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
         assert time.monotonic() < deadline, "the engine did not stop the abandoned request"
         time.sleep(0.1)
-    deadline = time.monotonic() + 10
-    while _pages(served) != idle:
-        assert time.monotonic() < deadline, "the abandoned request's pages were not freed"
+    pages_back(served, idle, "decode", failing="the abandoned request's pages were not freed")
 
 
 def test_logprobs_of_the_sampled_tokens(served, client):

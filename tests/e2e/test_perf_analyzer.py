@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tandem.client.bench.perf_analyzer import PerfAnalyzerError, PerfAnalyzerUnavailable, PerfOptions, check, profile
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +31,9 @@ def analyzer():
 
 
 @pytest.fixture(scope="module")
-def server(analyzer, tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("perf")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, max_num_seqs=8,
-                                    mode="disaggregated"),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=180)
-    try:
-        srv.start()
+def server(analyzer, serve):
+    with serve("perf", 180, exit_timeout_s=10, max_num_seqs=8, mode="disaggregated") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def options(server, **overrides) -> PerfOptions:

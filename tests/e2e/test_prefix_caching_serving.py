@@ -9,11 +9,10 @@ prefill side, which sends only the pages decode lacks."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from .triton_calls import http_post, metric, served
+from .triton_calls import eventually, http_post, metric, settled
 
 pytestmark = pytest.mark.e2e
 MODEL = "tandem_colocated"
@@ -21,9 +20,8 @@ PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n" * 6
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
-    with served(tmp_path_factory.mktemp("serve"), model_dir=str(demo_checkpoint), torch_threads=1,
-                max_num_seqs=4, mode="colocated") as srv:
+def server(serve):
+    with serve("serve", max_num_seqs=4, mode="colocated") as srv:
         yield srv
 
 
@@ -43,10 +41,11 @@ def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_text(server):
     assert warm["kv_cache_alloc_new_blocks"] < cold["kv_cache_alloc_new_blocks"]
     assert 0 < warm["arrival_time_ns"] <= warm["first_scheduled_time_ns"] <= warm["first_token_time_ns"] \
         <= warm["last_token_time_ns"]
-    deadline = time.monotonic() + 10    # the models' metrics are polled every 0.5 s
-    while metric(server, "tandem_prefix_cache_hits_total", "llm") < warm["num_cached_tokens"]:
-        assert time.monotonic() < deadline, "tandem_prefix_cache_hits_total never counted the hit"
-        time.sleep(0.2)
+
+    def counted():   # the models' metrics are polled every 0.5 s
+        assert metric(server, "tandem_prefix_cache_hits_total", "llm") >= warm["num_cached_tokens"], \
+            "tandem_prefix_cache_hits_total never counted the hit"
+    eventually(counted)
     assert metric(server, "tandem_prefix_cache_pages", "llm") > 0
 
 
@@ -59,11 +58,10 @@ def test_a_salt_keeps_prefixes_apart(server):
 
 # -- disaggregated ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory, demo_checkpoint):
+def disagg(serve):
     # prompts of more than 16 uncached tokens go to the prefill process
-    with served(tmp_path_factory.mktemp("serve-disagg"), 240, model_dir=str(demo_checkpoint),
-                torch_threads=1, max_num_seqs=4, mode="disaggregated",
-                disagg_policy="conditional:local_prompt_tokens=16") as srv:
+    with serve("serve-disagg", 240, max_num_seqs=4, mode="disaggregated",
+               disagg_policy="conditional:local_prompt_tokens=16") as srv:
         yield srv
 
 
@@ -80,12 +78,7 @@ def routed(server, path, reason) -> float:
 
 def received_bytes(server) -> float:
     """kv_transfer's received bytes once the metric (polled every 0.5 s) stopped moving."""
-    value, deadline = -1.0, time.monotonic() + 20
-    while (now := metric(server, "tandem_kv_received_bytes_total", "kv_transfer")) != value:
-        assert time.monotonic() < deadline, "tandem_kv_received_bytes_total kept moving"
-        value = now
-        time.sleep(1.2)
-    return value
+    return settled(lambda: metric(server, "tandem_kv_received_bytes_total", "kv_transfer"))
 
 
 def test_disaggregated_a_cached_prefix_makes_a_long_prompt_short(disagg):
@@ -95,10 +88,10 @@ def test_disaggregated_a_cached_prefix_makes_a_long_prompt_short(disagg):
     warm = disagg_generate(disagg, PROMPT, cache_salt="a")
     assert warm["num_cached_tokens"] >= cold["num_input_tokens"] - 16 > 0
     assert warm["text_output"] == cold["text_output"]
-    deadline = time.monotonic() + 10
-    while routed(disagg, "local", "cached_prefix") <= before:
-        assert time.monotonic() < deadline, "kv_transfer never routed the warm prompt as cached"
-        time.sleep(0.2)
+
+    def routed_as_cached():
+        assert routed(disagg, "local", "cached_prefix") > before, "kv_transfer never routed the warm prompt as cached"
+    eventually(routed_as_cached)
 
 
 def test_disaggregated_prefill_sends_only_what_decode_lacks(disagg):
@@ -118,10 +111,11 @@ def test_disaggregated_prefill_sends_only_what_decode_lacks(disagg):
     pages, shared = -(-(fresh["num_input_tokens"] - 1) // 16), cached["num_cached_tokens"] // 16
     assert 0 < b1 - b0 < (b2 - b1) * (pages - shared + 1) / pages
     # the prefill process had the conversation cached too: it computed only the turn
-    deadline = time.monotonic() + 10
-    while metric(disagg, "tandem_prefix_cache_hits_total", "prefill") <= 0:
-        assert time.monotonic() < deadline, "the prefill's own cache never counted a hit"
-        time.sleep(0.2)
+
+    def prefill_hit():
+        assert metric(disagg, "tandem_prefix_cache_hits_total", "prefill") > 0, \
+            "the prefill's own cache never counted a hit"
+    eventually(prefill_hit)
     assert metric(disagg, "tandem_prefix_cache_hits_total", "decode") >= cached["num_cached_tokens"]
     # the turn's tokens may part from the conversation's in its last page
     assert cached["num_cached_tokens"] >= 16 * ((n0 - 1) // 16 - 1) > 0

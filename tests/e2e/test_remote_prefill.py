@@ -4,54 +4,40 @@ and the KV travels over UCX from the prefill server into the decode server's pag
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import pytest
 
 from tandem.client.generate import GenerateError, stream_generate
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer, free_port, stub_processes
+from tandem.client.serve.triton_server import free_port, stub_processes
 
-from .triton_calls import metric
+from .servers import served
+from .triton_calls import eventually, metric
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_threads=1)
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:"]
 
 
-def _start(stack, run_dir, options):
-    srv = TritonServer(options, run_dir=run_dir, log_file=run_dir / "tritonserver.log",
-                       ready_timeout_s=300, exit_timeout_s=30)
-    stack.append(srv)
-    srv.start()
-    return srv
+def _served(run_dir, **options):
+    """A server of these options and SETTINGS in ``run_dir``, for one test."""
+    return served(run_dir, 300, **options, **SETTINGS)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, demo_checkpoint):
-    stack = []
-    ckpt = str(demo_checkpoint)
-    try:
-        prefill = _start(stack, tmp_path_factory.mktemp("prefill-server"),
-                         ServeOptions.of(model_dir=ckpt, mode="prefill", **SETTINGS))
-        decoders = [_start(stack, tmp_path_factory.mktemp(f"decode-server-{i}"),
-                           ServeOptions.of(model_dir=ckpt, prefill_endpoints=prefill.grpc_url,
-                                        disagg_policy="remote", **SETTINGS))
+def servers(serve):
+    with ExitStack() as stack:
+        prefill = stack.enter_context(serve("prefill-server", 300, mode="prefill", **SETTINGS))
+        decoders = [stack.enter_context(serve(f"decode-server-{i}", 300, prefill_endpoints=prefill.grpc_url,
+                                              disagg_policy="remote", **SETTINGS))
                     for i in range(2)]
         yield prefill, decoders
-    finally:
-        for srv in reversed(stack):
-            srv.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), page_size=4, max_num_batched_tokens=8)
-    return {p: llm.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0].text for p in PROMPTS}
+def reference(greedy_reference):
+    greedy = greedy_reference(10, page_size=4, max_num_batched_tokens=8)
+    return {p: greedy(p).text for p in PROMPTS}
 
 
 def _text(srv, prompt):
@@ -68,9 +54,11 @@ def test_one_prefill_server_feeds_two_decode_servers(servers, reference):
     # the prefill server ran the prefills; the decode servers' prefill models only forwarded
     assert "[prefill] forwarding to" in (decoders[0].run_dir / "tritonserver.log").read_text()
     assert "[prefill] forwarding to" not in (prefill.run_dir / "tritonserver.log").read_text()
-    time.sleep(0.6)   # one poll of the metrics thread
-    for srv in decoders:
-        assert metric(srv, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+
+    def received():
+        for srv in decoders:
+            assert metric(srv, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+    eventually(received)
 
 
 def test_a_hung_prefill_server_is_skipped_then_used_again_when_it_answers(servers, reference):
@@ -99,32 +87,24 @@ def test_a_hung_prefill_server_is_skipped_then_used_again_when_it_answers(server
         except GenerateError as e:
             assert time.monotonic() < deadline, f"the prefill server was never used again: {e}"
             time.sleep(0.5)
-    deadline = time.monotonic() + 40    # the failed jobs' reservations time out and go back
-    while metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") != 0:
-        assert time.monotonic() < deadline, "the failed jobs' reservations were never freed"
-        time.sleep(0.6)
+
+    def freed():   # the failed jobs' reservations time out and go back
+        assert metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") == 0, \
+            "the failed jobs' reservations were never freed"
+    eventually(freed)
 
 
 def test_unreachable_prefill_server_is_a_clear_error_and_leaks_nothing(tmp_path, demo_checkpoint):
     dead = f"127.0.0.1:{free_port()}"
-    stack = []
-    try:
-        srv = _start(stack, tmp_path, ServeOptions.of(model_dir=str(demo_checkpoint),
-                                                   prefill_endpoints=dead, disagg_policy="remote",
-                                                   **SETTINGS))
+    with _served(tmp_path, model_dir=str(demo_checkpoint), prefill_endpoints=dead, disagg_policy="remote") as srv:
         with pytest.raises(GenerateError, match=f"no prefill server took the job: {dead}"):
             _text(srv, PROMPTS[0])
-        # the reservation made for it is reclaimed by its lease
-        deadline = time.monotonic() + 40
-        while True:
-            time.sleep(0.6)
-            if metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") == 0:
-                break
-            assert time.monotonic() < deadline, "the reservation was never reclaimed"
+
+        def reclaimed():   # the reservation made for it is reclaimed by its lease
+            assert metric(srv, "tandem_kv_pages", "kv_transfer", state="reserved") == 0, \
+                "the reservation was never reclaimed"
+        eventually(reclaimed)
         assert srv.is_ready()
-    finally:
-        for s in stack:
-            s.stop()
     assert stub_processes(tmp_path) == []
 
 
@@ -134,20 +114,17 @@ def test_while_no_prefill_server_takes_jobs_conditional_routing_prefills_here(tm
     and for a while after it the decode server prefills "long" prompts itself instead
     of failing them (here every prompt of more than 4 tokens is long)."""
     dead = f"127.0.0.1:{free_port()}"
-    stack = []
-    try:
-        srv = _start(stack, tmp_path, ServeOptions.of(model_dir=str(demo_checkpoint), prefill_endpoints=dead,
-                                                   disagg_policy="conditional:local_prompt_tokens=4",
-                                                   **SETTINGS))
+    with _served(tmp_path, model_dir=str(demo_checkpoint), prefill_endpoints=dead,
+                 disagg_policy="conditional:local_prompt_tokens=4") as srv:
         with pytest.raises(GenerateError, match="unavailable: no prefill server took the job.*retry"):
             _text(srv, PROMPTS[0])
         # the next one, at once (well within LOCAL_WHILE_DOWN_S): prefilled here
         assert _text(srv, PROMPTS[0]) == reference[PROMPTS[0]]
-        time.sleep(0.6)   # one poll of the metrics thread
-        assert metric(srv, "tandem_disagg_requests_total", "kv_transfer", path="local", reason="prefill_down") == 1
-    finally:
-        for s in stack:
-            s.stop()
+
+        def prefilled_here():
+            assert metric(srv, "tandem_disagg_requests_total", "kv_transfer", path="local",
+                          reason="prefill_down") == 1
+        eventually(prefilled_here)
 
 
 def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_checkpoint, reference):
@@ -156,13 +133,10 @@ def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_chec
     with a clear error; the server then stops. Each job is held 4 s before it starts
     (fault injection), so one is surely in flight when the drain begins."""
     import concurrent.futures
-    stack = []
     ckpt = str(demo_checkpoint)
-    try:
-        prefill = _start(stack, tmp_path / "prefill", ServeOptions.of(model_dir=ckpt, mode="prefill",
-                                                                   faults="prefill_delay_ms=4000", **SETTINGS))
-        decode = _start(stack, tmp_path / "decode", ServeOptions.of(
-            model_dir=ckpt, prefill_endpoints=prefill.grpc_url, disagg_policy="remote", **SETTINGS))
+    with _served(tmp_path / "prefill", model_dir=ckpt, mode="prefill", faults="prefill_delay_ms=4000") as prefill, \
+            _served(tmp_path / "decode", model_dir=ckpt, prefill_endpoints=prefill.grpc_url,
+                    disagg_policy="remote") as decode:
         assert _text(decode, PROMPTS[1]) == reference[PROMPTS[1]]       # warm
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             taken = metric(prefill, "nv_inference_request_success", "prefill")
@@ -182,7 +156,4 @@ def test_a_draining_prefill_server_finishes_the_jobs_it_took(tmp_path, demo_chec
             _text(decode, PROMPTS[1])
         log = (prefill.run_dir / "tritonserver.log").read_text()
         assert "[prefill] KV transfer failed" not in log and "still in flight" not in log
-    finally:
-        for srv in reversed(stack):
-            srv.stop()
     assert stub_processes(tmp_path / "prefill") == []

@@ -3,7 +3,8 @@ the ensemble ``tandem_colocated`` (preprocess -> llm -> postprocess) with the
 conventional text interface, and ``llm`` itself as the token-level model.
 
 One server per module (starting it is the slow part); the tiny untrained demo
-checkpoint keeps generation fast. The last test stops the server, so it runs last.
+checkpoint keeps generation fast. When the module is done with the server, its fixture
+stops it and checks that nothing is left behind.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tandem.client.generate import GenerateError, build_inputs, parse_response, 
 from tandem.client.serve.options import MODES
 from tandem.client.serve.triton_server import free_port, stub_processes
 
-from .triton_calls import http_post, metric, served, sse_events
+from .triton_calls import http_post, metric, sse_events
 
 pytestmark = pytest.mark.e2e
 MODEL = "tandem_colocated"
@@ -33,25 +34,30 @@ MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
-    with served(tmp_path_factory.mktemp("serve"), model_dir=str(demo_checkpoint), torch_threads=1,
-                max_num_seqs=MAX_NUM_SEQS, mode="colocated") as srv:
+def server(serve):
+    with serve("serve", max_num_seqs=MAX_NUM_SEQS, mode="colocated") as srv:
         yield srv
+        stop_leaves_no_process_behind(srv)
+
+
+def stop_leaves_no_process_behind(server):
+    """The teardown check of ``server``, after every test of the module that used it."""
+    pid = server.process.pid
+    assert len(stub_processes(server.run_dir)) == 3      # preprocess, llm, postprocess
+    server.stop()
+    assert stub_processes(server.run_dir) == []
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not server.is_ready()
+    # every model unloaded: no cancelled request was left in flight
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
+    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
+    assert log.count("successfully unloaded") == len(MODES["colocated"])
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
+def reference(greedy_reference):
     """The offline engine with the server's settings: what greedy output must equal."""
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    torch.set_num_threads(1)
-    return LLM(str(demo_checkpoint), max_num_seqs=MAX_NUM_SEQS)
-
-
-def greedy(reference, prompt, max_tokens):
-    from tandem.backends.engine.params import SamplingParams
-    return reference.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return greedy_reference(8, max_num_seqs=MAX_NUM_SEQS)
 
 
 def test_server_and_models_ready(server):
@@ -80,9 +86,9 @@ def test_stream_over_grpc_sends_step_responses_then_final(server, reference):
     # the counts only grow, and the last one is every token
     counts = [r.num_output_tokens for r in responses]
     assert counts == sorted(set(counts)) and counts[0] >= 1
-    assert counts[-1] == len(greedy(reference, "def main():", 8).token_ids)
+    assert counts[-1] == len(reference("def main():", 8).token_ids)
     assert responses[-1].num_input_tokens > 0
-    assert "".join(r.text for r in responses) == greedy(reference, "def main():", 8).text
+    assert "".join(r.text for r in responses) == reference("def main():", 8).text
 
 
 def test_non_streaming_sends_one_response_with_the_whole_text(server):
@@ -101,7 +107,7 @@ def test_non_streaming_sends_one_response_with_the_whole_text(server):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_llm_token_level_output_ids_equal_llm_generate(server, reference, stream):
-    want = greedy(reference, "def fib(n):", 10)
+    want = reference("def fib(n):", 10)
     responses = list(stream_generate(server.grpc_url, want.prompt_token_ids, model="llm", max_tokens=10,
                                      temperature=0.0, stream=stream, timeout_s=60))
     assert [t for r in responses for t in r.output_ids] == want.token_ids
@@ -205,7 +211,7 @@ def test_concurrent_streams_each_get_their_own_tokens(server, reference):
             done.add(rid)
     client.stop_stream()
     client.close()
-    assert [texts[i] for i in range(len(prompts))] == [greedy(reference, p, 6).text for p in prompts]
+    assert [texts[i] for i in range(len(prompts))] == [reference(p, 6).text for p in prompts]
 
 
 def test_cli_generate_prints_json_lines(server):
@@ -216,20 +222,6 @@ def test_cli_generate_prints_json_lines(server):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert lines and lines[-1]["final"] and lines[-1]["finish_reason"] in ("stop", "length")
-
-
-def test_zz_stop_leaves_no_process_behind(server):
-    """Runs last in this module: it stops the shared server."""
-    pid = server.process.pid
-    assert len(stub_processes(server.run_dir)) == 3      # preprocess, llm, postprocess
-    server.stop()
-    assert stub_processes(server.run_dir) == []
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    assert not server.is_ready()
-    # every model unloaded: no cancelled request was left in flight
-    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
-    assert not re.search(r"Found [1-9]\d* model versions that have in-flight inferences", log)
-    assert log.count("successfully unloaded") == len(MODES["colocated"])
 
 
 def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):

@@ -5,15 +5,11 @@ itself: every draft accepted, so a wrong draft KV on the disaggregated path woul
 as rejections in the acceptance metric) and ngram (prompt lookup: no proposer KV)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tandem.client.generate import stream_generate
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
 
-from .triton_calls import metric
+from .triton_calls import eventually, metric
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8, torch_threads=1)
@@ -21,32 +17,19 @@ PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Path:", "x
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), page_size=4)
-    return {p: llm.generate(p, SamplingParams(max_tokens=12, temperature=0.0))[0].text for p in PROMPTS}
+def reference(greedy_reference):
+    greedy = greedy_reference(12, page_size=4)
+    return {p: greedy(p).text for p in PROMPTS}
 
 
 @pytest.fixture(scope="module", params=["mtp", "draft_target", "ngram"])
-def server(request, tmp_path_factory, demo_checkpoint, random_mtp_head):
+def server(request, serve, demo_checkpoint, random_mtp_head):
     method = request.param
     extra = {"mtp": {"mtp_head": str(random_mtp_head)}, "draft_target": {"draft_model": str(demo_checkpoint)},
              "ngram": {}}[method]
-    run_dir = tmp_path_factory.mktemp(f"serve-spec-{method}")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), mode="both", spec_method=method,
-                                    num_speculative_tokens=3, disagg_policy="remote", **extra,
-                                    **SETTINGS),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
-                       exit_timeout_s=30)
-    try:
-        srv.start()
+    with serve(f"serve-spec-{method}", 300, mode="both", spec_method=method, num_speculative_tokens=3,
+               disagg_policy="remote", **extra, **SETTINGS) as srv:
         yield method, srv
-    finally:
-        srv.stop()
 
 
 def _text(srv, model, prompt):
@@ -61,11 +44,13 @@ def test_greedy_text_with_speculation_equals_plain_decoding(server, reference):
     for prompt in PROMPTS:
         assert _text(srv, "tandem", prompt) == reference[prompt]
         assert _text(srv, "tandem_colocated", prompt) == reference[prompt]
-    time.sleep(0.6)   # one poll of the metrics thread
-    for model in ("decode", "llm"):
-        assert metric(srv, "tandem_spec_drafts_total", model) > 0
-        if method == "draft_target":
-            # every draft accepted (the draft KV arrived intact); adaptive k (the server's
-            # default) may verify fewer than 3 drafts a step, so at most 1 + 3 per round
-            assert metric(srv, "tandem_spec_acceptance_rate", model) == 1.0
-            assert 1.0 < metric(srv, "tandem_spec_mean_acceptance_length", model) <= 4.0
+
+    def drafted():
+        for model in ("decode", "llm"):
+            assert metric(srv, "tandem_spec_drafts_total", model) > 0
+            if method == "draft_target":
+                # every draft accepted (the draft KV arrived intact); adaptive k (the server's
+                # default) may verify fewer than 3 drafts a step, so at most 1 + 3 per round
+                assert metric(srv, "tandem_spec_acceptance_rate", model) == 1.0
+                assert 1.0 < metric(srv, "tandem_spec_mean_acceptance_length", model) <= 4.0
+    eventually(drafted)

@@ -6,27 +6,20 @@ target with its draft model speculating, both ensembles, the OpenAI API): Tensor
 output is valid; a guide that does not compile is refused with xgrammar's reason."""
 from __future__ import annotations
 
-import functools
 import json
 import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tandem.client.serve.process_group import die_with_parent
 from tandem.client.serve.triton_server import free_port
 
 from ..guided_outputs import REGEX, valid
+from .servers import serve_command
+from .triton_calls import post_json
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("xgrammar")
@@ -48,36 +41,14 @@ class Served:
 def served(tmp_path_factory):
     run = tmp_path_factory.mktemp("serve-guided")
     http, grpc, metrics, api = (free_port() for _ in range(4))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(DEMO / "target"),
-         "--spec", "draft_target", "--draft-model", str(DEMO / "draft"), "--mode", "both",
-         "--disagg-policy", "remote", "--threads", "1", "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
-         "--ready-timeout", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=functools.partial(die_with_parent, None))
-    output: list[str] = []
-    started = threading.Event()
-
-    def drain():   # read everything it prints, so it never blocks on a full pipe
-        for line in proc.stdout:
-            output.append(line)
-            if line.startswith("Ctrl-C to stop."):
-                started.set()
-        started.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert started.wait(420) and proc.poll() is None, "".join(output)
+    with serve_command(
+            "--model", str(DEMO / "target"),
+            "--spec", "draft_target", "--draft-model", str(DEMO / "draft"), "--mode", "both",
+            "--disagg-policy", "remote", "--threads", "1", "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+            "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
+            "--ready-timeout", "300", ready_timeout_s=420):
         yield Served(f"127.0.0.1:{grpc}", f"http://127.0.0.1:{api}/v1")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def generate(url: str, model: str, prompt: str, n: int, **guide):
@@ -141,23 +112,14 @@ def test_a_guide_that_does_not_compile_is_refused_by_name(served, model):
     assert len(errors) == 1 and "guided_decoding_guide_type" in errors[0], errors
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_openai_response_format_json_schema_and_json_object(served):
-    status, body = post(f"{served.api_url}/chat/completions", {
+    status, body = post_json(f"{served.api_url}/chat/completions", {
         "model": "tandem", "messages": [{"role": "user", "content": "A person:"}], "max_tokens": 64,
         "temperature": 1.0, "n": 3,
         "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}})
     assert status == 200, body
     assert all(valid("json_schema", c["message"]["content"], SCHEMA) for c in body["choices"]), body
-    status, body = post(f"{served.api_url}/chat/completions", {
+    status, body = post_json(f"{served.api_url}/chat/completions", {
         "model": "tandem", "messages": [{"role": "user", "content": "A dict:"}], "max_tokens": 96,
         "temperature": 1.0, "response_format": {"type": "json_object"}})
     assert status == 200, body
@@ -167,7 +129,7 @@ def test_openai_response_format_json_schema_and_json_object(served):
 
 
 def test_openai_vllm_guided_regex_on_completions(served):
-    status, body = post(f"{served.api_url}/completions", {
+    status, body = post_json(f"{served.api_url}/completions", {
         "model": "tandem", "prompt": "Mail:", "max_tokens": 32, "temperature": 1.0, "n": 2,
         "guided_regex": REGEX})
     assert status == 200, body
@@ -175,7 +137,7 @@ def test_openai_vllm_guided_regex_on_completions(served):
 
 
 def test_openai_schema_that_does_not_compile_is_a_400(served):
-    status, body = post(f"{served.api_url}/chat/completions", {
+    status, body = post_json(f"{served.api_url}/chat/completions", {
         "model": "tandem", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
     assert status == 400, body

@@ -16,10 +16,10 @@ import time
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve.options import ServeOptions, ServerError
-from tandem.client.serve.triton_server import TritonServer, stub_processes
+from tandem.client.serve.options import ServerError
+from tandem.client.serve.triton_server import stub_processes
 
-from .triton_calls import metric
+from .triton_calls import eventually, metric
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
@@ -41,28 +41,31 @@ def _lease_s() -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve-supervised")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1, mode="both",
-                                    disagg_policy="remote", **SETTINGS),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
-                       exit_timeout_s=15, model_control_mode="explicit")
-    try:
-        srv.start()
+def server(serve):
+    with serve("serve-supervised", 300, exit_timeout_s=15, model_control_mode="explicit", mode="both",
+               disagg_policy="remote", **SETTINGS) as srv:
         yield srv
-    finally:
-        srv.stop()
+        stop_leaves_no_process_and_no_segment(srv)
+
+
+def stop_leaves_no_process_and_no_segment(server):
+    """The teardown check of ``server``, after every test of the module that used it; it
+    prints how each recovery of the module went."""
+    run_dir = server.run_dir
+    status = server.supervisor.status()
+    server.stop()
+    assert stub_processes(run_dir) == []
+    assert server.owned_segments() == []
+    print(f"\nrecovery after SIGKILL of a stub (reloads {status.reloads}, restarts {status.restarts}):")
+    print(f"{'model':<12}{'action':<9}{'supervisor':>11}{'ready':>8}{'correct':>9}  streams ended ok / error")
+    for model, r in RECOVERED.items():
+        print(f"{model:<12}{r['action']:<9}{r['supervisor_s']:>10.2f}s{r['ready_s']:>7.2f}s{r['correct_s']:>8.2f}s"
+              f"  {r['ended_ok']} / {8 - r['ended_ok']}: {r['ended_error']}")
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    return LLM(str(demo_checkpoint), **SETTINGS).generate(
-        PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+def reference(greedy_reference):
+    return greedy_reference(MAX_TOKENS, **SETTINGS)(PROMPT).text
 
 
 class Readiness:
@@ -138,7 +141,6 @@ def _text(server, ensemble: str) -> str:
 
 def _busy_pages(server, ensemble: str) -> dict[str, float]:
     """The KV pages each model of ``ensemble`` reports reserved or in use (none: {})."""
-    time.sleep(0.6)   # one poll of the models' metrics threads
     pages = {f"{model}/{state}": metric(server, "tandem_kv_pages", model, state=state)
              for model in POOLS[ensemble] for state in ("in_use", "reserved")}
     return {k: v for k, v in pages.items() if v}
@@ -205,9 +207,11 @@ def test_a_killed_stub_is_recovered(server, reference, readiness, model):
     else:
         assert (last.model, last.pid, last.action) == (model, pid, ACTION[model]), recoveries
     assert victim.shm_region in regions_before and victim.shm_region not in os.listdir("/dev/shm")
-    while (busy := _busy_pages(server, ensemble)) and time.monotonic() < deadline + 10:
-        pass
-    assert not busy, f"KV pages still reserved or in use after {model} died: {busy}"
+
+    def pages_back():
+        assert not (busy := _busy_pages(server, ensemble)), \
+            f"KV pages still reserved or in use after {model} died: {busy}"
+    eventually(pages_back, timeout_s=max(0.0, deadline + 10 - time.monotonic()))
     RECOVERED[model] = dict(action=last.action, supervisor_s=last.seconds, ready_s=probe["ready_s"],
                             correct_s=probe["correct_s"], ended_ok=sum(s.final for s in streams),
                             ended_error=sorted({(s.error or "")[:90] for s in streams if s.error}))
@@ -216,16 +220,3 @@ def test_a_killed_stub_is_recovered(server, reference, readiness, model):
 def test_kill_stub_names_the_models_it_can_kill(server):
     with pytest.raises(ServerError, match="no live stub of model 'nope'; stubs run for: .*prefill"):
         server.kill_stub("nope")
-
-
-def test_zz_stop_leaves_no_process_and_no_segment(server):
-    run_dir = server.run_dir
-    status = server.supervisor.status()
-    server.stop()
-    assert stub_processes(run_dir) == []
-    assert server.owned_segments() == []
-    print(f"\nrecovery after SIGKILL of a stub (reloads {status.reloads}, restarts {status.restarts}):")
-    print(f"{'model':<12}{'action':<9}{'supervisor':>11}{'ready':>8}{'correct':>9}  streams ended ok / error")
-    for model, r in RECOVERED.items():
-        print(f"{model:<12}{r['action']:<9}{r['supervisor_s']:>10.2f}s{r['ready_s']:>7.2f}s{r['correct_s']:>8.2f}s"
-              f"  {r['ended_ok']} / {8 - r['ended_ok']}: {r['ended_error']}")

@@ -28,9 +28,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -38,6 +35,8 @@ import numpy as np
 import pytest
 
 from tandem.client.serve.triton_server import free_port, stub_processes
+
+from .servers import serve_command
 
 pytestmark = pytest.mark.e2e
 MODEL = "ensemble"          # the TensorRT-LLM client accepts only "ensemble" and "tensorrt_llm_bls"
@@ -153,31 +152,16 @@ def run_inference(url: str, inputs: dict[str, np.ndarray], model: str = MODEL) -
 # ---- the server and the references ---------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_checkpoint):
-    """`tandem serve --ensemble-name ensemble`, as a user starts it; ``(grpc_url, banner)``."""
+    """`tandem serve --ensemble-name ensemble`, as a user starts it; ``(grpc_url, banner, run dir)``."""
     run_dir = tmp_path_factory.mktemp("trtllm")
     http, grpc, metrics = (str(free_port()) for _ in range(3))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--ensemble-name", MODEL, "--model",
-         str(demo_checkpoint), "--dtype", "float32", "--enforce-eager", "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--http-port", http,
-         "--grpc-port", grpc, "--metrics-port", metrics, "--run-dir", str(run_dir / "run"),
-         "--log-file", str(run_dir / "tritonserver.log"), "--ready-timeout", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    banner = []
-    try:
-        for line in proc.stdout:
-            banner.append(line)
-            if line.startswith("Ctrl-C to stop."):
-                break
-        assert proc.poll() is None, "".join(banner)
-        yield f"127.0.0.1:{grpc}", banner, run_dir / "run"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_command(
+            "--ensemble-name", MODEL, "--model",
+            str(demo_checkpoint), "--dtype", "float32", "--enforce-eager", "--threads", "1", "--max-num-seqs",
+            str(MAX_NUM_SEQS), "--http-port", http,
+            "--grpc-port", grpc, "--metrics-port", metrics, "--run-dir", str(run_dir / "run"),
+            "--log-file", str(run_dir / "tritonserver.log"), "--ready-timeout", "300", ready_timeout_s=360) as cmd:
+        yield f"127.0.0.1:{grpc}", cmd.banner, run_dir / "run"
 
 
 @pytest.fixture(scope="module")
@@ -186,13 +170,9 @@ def url(server):
 
 
 @pytest.fixture(scope="module")
-def engine(demo_checkpoint):
+def engine(offline_llm):
     """The offline engine with the server's settings: what the server's texts must equal."""
-    import torch
-
-    from tandem.backends.engine.llm import LLM
-    torch.set_num_threads(1)
-    return LLM(str(demo_checkpoint), max_num_seqs=MAX_NUM_SEQS)
+    return offline_llm(max_num_seqs=MAX_NUM_SEQS)
 
 
 def offline(engine, prompt, max_tokens, **params):

@@ -25,7 +25,8 @@ running instances), so a reload touches the version's ``model.py``.
 A server that aborted, or lost a loaded model's series, is not rolled again (its
 crash handler deadlocks in a thread that still holds a malloc arena, and the old
 instance never finishes unloading): the later rolls fail at once, naming the first
-sign.
+sign. When the module is done with the server, its fixture checks that the server
+answers every endpoint after the rolls that ran.
 """
 from __future__ import annotations
 
@@ -34,16 +35,12 @@ import re
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tandem.client.generate import build_inputs, parse_response, stream_generate
-from tandem.client.serve.options import ServeOptions
-from tandem.client.serve.triton_server import TritonServer
 
-from .triton_calls import http_post, sse_events
+from .triton_calls import http_get, http_post, load_model, sse_events, version_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -70,35 +67,17 @@ _corrupted: list[str] = []   # once the server's heap is known bad, later rolls 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_checkpoint):
-    run_dir = tmp_path_factory.mktemp("serve-roll")
-    srv = TritonServer(ServeOptions.of(model_dir=str(demo_checkpoint), torch_threads=1,
-                                    mode="disaggregated", disagg_policy="remote", **SETTINGS),
-                       run_dir=run_dir, log_file=run_dir / "tritonserver.log", ready_timeout_s=300,
-                       exit_timeout_s=20, model_control_mode="explicit")
-    try:
-        srv.start()
+def server(serve, reference):
+    with serve("serve-roll", 300, exit_timeout_s=20, model_control_mode="explicit", mode="disaggregated",
+               disagg_policy="remote", **SETTINGS) as srv:
         yield srv
-    finally:
-        srv.stop()
+        answers_every_endpoint(srv, reference)
 
 
 @pytest.fixture(scope="module")
-def reference(demo_checkpoint):
-    import torch
-    from tandem.backends.engine.llm import LLM
-    from tandem.backends.engine.params import SamplingParams
-    torch.set_num_threads(1)
-    llm = LLM(str(demo_checkpoint), **SETTINGS)
-    cache: dict = {}
-
-    def greedy(prompt: str, max_tokens: int = MAX_TOKENS) -> str:
-        """``LLM.generate``'s greedy text."""
-        if (prompt, max_tokens) not in cache:
-            out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
-            cache[prompt, max_tokens] = out.text
-        return cache[prompt, max_tokens]
-    return greedy
+def reference(greedy_reference):
+    """``LLM.generate``'s greedy completion, MAX_TOKENS unless asked."""
+    return greedy_reference(MAX_TOKENS, **SETTINGS)
 
 
 # ---- the server ------------------------------------------------------------------
@@ -108,31 +87,6 @@ def _log(server) -> str:
 
 def _aborts(server) -> list[str]:
     return [line for line in _log(server).splitlines() if ABORT.search(line)]
-
-
-def _post(server, path: str, timeout_s: float = 120) -> int | str:
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=b"{}", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return f"{e.code}: {e.read().decode(errors='replace')}"
-    except OSError as e:   # a timeout: the server no longer answers
-        return repr(e)
-
-
-def _get(url: str, timeout_s: float = 10) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except OSError as e:
-        return 0, repr(e)
-
-
-def _ready(server, model: str, version: int) -> bool:
-    return _get(f"http://{server.http_url}/v2/models/{model}/versions/{version}/ready")[0] == 200
 
 
 def _versions(server, model: str) -> list[int]:
@@ -147,7 +101,7 @@ def _unloaded(server, model: str, version: int) -> int:
 def _exports(server, family: str, model: str, version: int) -> bool:
     """Whether the metrics endpoint has a ``family`` series of ``model`` ``version``
     (whatever its other labels)."""
-    status, text = _get(server.metrics_url)
+    status, text = http_get(server.metrics_url)
     assert status == 200, f"the metrics endpoint did not answer: {status} {text}"
     for line in text.splitlines():
         m = re.match(rf"{family}\{{(.*)\}} \S+$", line)
@@ -235,7 +189,7 @@ def _roll_under_load(server, reference, model: str, how: str) -> None:
     unloads_before = _unloaded(server, model, old)
     streams = _Streams(server)
     streams.wait_started()          # every stream is in decode when the roll begins
-    status = _post(server, f"/v2/repository/models/{model}/load")
+    status = load_model(server, model)
     streams.finish()
     # the old instance drains, then goes: wait for it, watching for an abort meanwhile
     deadline = time.monotonic() + UNLOAD_TIMEOUT_S
@@ -251,13 +205,13 @@ def _roll_under_load(server, reference, model: str, how: str) -> None:
         f"the old instance of {model} (version {old}) did not unload within {UNLOAD_TIMEOUT_S} s")
 
     assert streams.errors == [], f"{len(streams.errors)} streams failed: {streams.errors}"
-    wrong = [i for i, (p, t) in enumerate(zip(PROMPTS, streams.texts)) if t != reference(p)]
+    wrong = [i for i, (p, t) in enumerate(zip(PROMPTS, streams.texts)) if t != reference(p).text]
     assert not wrong, f"streams {wrong} differ from the engine's greedy text"
     assert all(r in ("stop", "length") for r in streams.reasons), streams.reasons
 
-    assert _ready(server, model, new), f"{model} version {new} is not ready"
+    assert version_ready(server, model, new), f"{model} version {new} is not ready"
     if new != old:
-        assert not _ready(server, model, old), f"{model} version {old} still ready"
+        assert not version_ready(server, model, old), f"{model} version {old} still ready"
     if model in SERIES and not _exports(server, SERIES[model], model, new):
         # the old instance deleted a metric the new one still writes to (the same series)
         _corrupted.append(f"{model} {how} {old}->{new}: lost {SERIES[model]}")
@@ -271,23 +225,24 @@ def test_roll_with_8_streams_in_flight(server, reference, model, how):
         _roll_under_load(server, reference, model, how)
 
 
-def test_zz_the_server_answers_every_endpoint_after_the_rolls(server, reference):
+def answers_every_endpoint(server, reference):
+    """The teardown check of ``server``, after the rolls of the module that ran."""
     assert not _aborts(server), _aborts(server)
     base = f"http://{server.http_url}"
-    assert _get(f"{base}/v2/health/live")[0] == 200
-    assert _get(f"{base}/v2/health/ready")[0] == 200
+    assert http_get(f"{base}/v2/health/live")[0] == 200
+    assert http_get(f"{base}/v2/health/ready")[0] == 200
     for model in server.options.models:
-        assert _get(f"{base}/v2/models/{model}/ready")[0] == 200, model
+        assert http_get(f"{base}/v2/models/{model}/ready")[0] == 200, model
 
     prompt = "def fibonacci(n):\n    "
     rs = list(stream_generate(server.grpc_url, prompt, model="tandem", timeout_s=60,
                               max_tokens=16, temperature=0.0, stream=True))
-    assert rs[-1].final and "".join(r.text for r in rs) == reference(prompt, 16)
+    assert rs[-1].final and "".join(r.text for r in rs) == reference(prompt, 16).text
 
     status, text = http_post(server, "tandem", "generate_stream",
                              {"text_input": prompt, "max_tokens": 16, "temperature": 0, "stream": True})
     assert status == 200, text
-    assert "".join(e["text_output"] for e in sse_events(text)) == reference(prompt, 16)
+    assert "".join(e["text_output"] for e in sse_events(text)) == reference(prompt, 16).text
 
     for model, family in SERIES.items():
         assert _exports(server, family, model, _versions(server, model)[-1]), (model, family)
