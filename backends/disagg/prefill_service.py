@@ -37,7 +37,7 @@ from typing import Callable
 from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig, Transfer
 
 from ..engine.inbox import Inbox
-from ..engine.llm_engine import EngineConfig
+from ..engine.config import EngineConfig
 from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
 from .kv_views import source_pool
 from .pool import TARGET

@@ -35,7 +35,6 @@ class SharedCachingAllocator(SharedPageAllocator):
     free count includes evictable cached pages: a
     :class:`~tandem.backends.kv_cache.prefix_cache.CachingKVAllocator`."""
 
-    caching = True   # read by LLMEngine until it checks isinstance(a, CachingKVAllocator)
 
     def __init__(self, pool: SharedKVPool, root: bytes):
         if not pool.caching:

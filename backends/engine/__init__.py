@@ -5,7 +5,7 @@ from ..lazy import lazy_exports
 _EXPORTS = {"AsyncEngine": ".async_engine", "LLM": ".llm", "CompletionOutput": ".llm",
             "EngineConfig": ".config", "ENGINE_DEFAULTS": ".config",
             "default_num_pages": ".config", "LLMEngine": ".llm_engine",
-            "RequestOutput": ".llm_engine", "SamplingParams": ".params",
+            "RequestOutput": ".outputs", "SamplingParams": ".params",
             "PrefillEngine": ".prefill_engine"}
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -9,7 +9,8 @@ from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .inbox import Inbox
 from .isolation import describe
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
 from .messages import Abort, AddRemote, AddRequest, EngineMessage, OutputCallback
 from .params import SamplingParams
 from .remote_prefill import KVTicket, PendingPrefills

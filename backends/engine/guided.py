@@ -283,12 +283,3 @@ def mask_logits(logits: torch.Tensor, masks: GuideMasks) -> dict[int, int]:
         logits[row, j:] = 0.0
     return dead
 
-
-def apply_guides(logits: torch.Tensor, rows: list[int], guides: list[GuideState],
-                 drafts: torch.Tensor | None = None) -> dict[int, int]:
-    """Mask the logits of the guided ``rows`` of ``logits`` [B, n, V] in place at each
-    position (``drafts`` [B, m] as in :func:`~.logits_processors.apply_controls`); returns
-    the dead positions as :func:`mask_logits` does."""
-    b, n, v = logits.shape
-    ahead = drafts[rows].tolist() if drafts is not None else [[] for _ in rows]
-    return mask_logits(logits, fill_guides(b, n, v, rows, guides, ahead))

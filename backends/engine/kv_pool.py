@@ -39,3 +39,14 @@ def kv_page_pool(config: EngineConfig, model: KVShape, num_pages: int,
     device (a proposer's pool has the target's ``num_pages``: they share page ids)."""
     return KVPagePool.for_model(model, num_pages, config.page_size, dtype, config.kv_layout,
                                 config.device)
+
+
+def check_pool_fits(config: EngineConfig, pool: KVPagePool, model: KVShape, dtype: torch.dtype) -> None:
+    """An external KV pool must have ``model``'s geometry and ``config``'s layout."""
+    want = (model.num_hidden_layers, model.num_key_value_heads, model.head_dim, config.page_size,
+            config.kv_layout, dtype)
+    have = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.kv_layout,
+            pool.kv.dtype)
+    if want != have:
+        raise ValueError(f"external KV pool (layers, kv heads, head_dim, page_size, layout, "
+                         f"dtype) = {have}; the model and engine config need {want}")

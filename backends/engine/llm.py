@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence as Seq
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
 from .params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:   # annotations only: this module stays free of the engine's imports
-    from .llm_engine import RequestOutput
+    from .outputs import RequestOutput
     from .remote_prefill import KVTicket
     from .sequence import Sequence
 

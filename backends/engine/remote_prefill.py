@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from .llm_engine import RequestOutput
+from .outputs import RequestOutput
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,6 @@ class CachingAllocator:
     """:class:`CachingKVAllocator` in one process: freed full pages stay cached until
     needed."""
 
-    caching = True   # read by LLMEngine until it checks isinstance(a, CachingKVAllocator)
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:

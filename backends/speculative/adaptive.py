@@ -354,6 +354,23 @@ class SpecController:
         return (f"bucket {bucket}: ms per step (model/ngram drafting) {', '.join(cells)}; "
                 f"gap {fmt(self.costs.estimate(('gap', bucket, 0)))}; acceptance by method {priors}")
 
+    def seed_step(self, bucket: int, k: int, ms: float) -> None:
+        """A start-up measurement of the target's step at (``bucket``, ``k``)."""
+        self.costs.seed(("step", bucket, k), ms)
+
+    def observe_step(self, bucket: int, k: int, ms: float) -> None:
+        """The target's side of a step that verified ``k`` drafts (0: a plain step)."""
+        self.observe_cost(("step", bucket, k), ms)
+
+    def observe_propose(self, bucket: int, k: int, kind: str, ms: float) -> None:
+        """Drafting ``k`` tokens per row, by ``kind`` ("model" or "ngram")."""
+        self.observe_cost(("propose", bucket, k, kind), ms)
+
+    def observe_gap(self, bucket: int, ms: float) -> None:
+        """The time from one step's end to the next one's start: what the engine's caller
+        (a server streaming each step's outputs) spends per step, whatever k was."""
+        self.observe_cost(("gap", bucket, 0), ms)
+
     def observe_cost(self, key: tuple, ms: float) -> None:
         self.costs.observe(key, ms)
 

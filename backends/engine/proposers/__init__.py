@@ -5,12 +5,13 @@ prompt lookup (:mod:`.ngram`) and ``--spec auto``'s choice among them (:mod:`.au
 from .auto import AutoProposer
 from .base import MAX_LAG, PLAIN_MAX_LAG, DraftProcess, Proposer, StepHidden
 from .draft import DraftModelProposer
-from .load import load_proposer_model, make_proposer
+from .load import build_proposer, load_proposer_model, make_proposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer, propose_ngram
 from .prefill import ProposerPrefill
 from .vocab import DraftVocab, draft_vocab_ids
 
 __all__ = ["MAX_LAG", "PLAIN_MAX_LAG", "AutoProposer", "DraftModelProposer", "DraftProcess", "DraftVocab", "MTPProposer",
-           "NgramProposer", "Proposer", "ProposerPrefill", "StepHidden", "draft_vocab_ids", "load_proposer_model",
+           "NgramProposer", "Proposer", "ProposerPrefill", "StepHidden", "build_proposer", "draft_vocab_ids",
+           "load_proposer_model",
            "make_proposer", "propose_ngram"]

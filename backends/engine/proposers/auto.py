@@ -25,6 +25,10 @@ class AutoProposer:
         self.ngram, self.model, self.use_ngram = ngram, model, use_ngram
         self.runner = model.runner     # the proposer's KV pool, as a model proposer's
 
+    @property
+    def fallback_method(self) -> str:
+        return self.model.name
+
     def ready(self, seq: Sequence) -> bool:
         return self.model.ready(seq)
 
@@ -43,13 +47,14 @@ class AutoProposer:
         self.ngram.forget(request_id)
         self.model.forget(request_id)
 
-    @property
-    def fast_decode(self):
-        return getattr(self.model, "fast_decode", None)
+    def flush(self, seqs: list[Sequence]) -> None:
+        self.model.flush(seqs)
 
-    @fast_decode.setter
-    def fast_decode(self, steps) -> None:
-        self.model.fast_decode = steps
+    def plain_decode_runner(self):
+        return self.model.plain_decode_runner()
+
+    def use_fast_decode(self, steps) -> None:
+        self.model.use_fast_decode(steps)
 
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
                  max_lag: int = MAX_LAG) -> None:

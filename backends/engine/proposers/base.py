@@ -17,6 +17,9 @@ With adaptive speculation (or ``--spec auto``) the engine asks instead, per step
 proposer that drafts by it); a sequence drafting nothing in a speculative step is
 verified with its one scheduled token, and ``after_verify`` still sees it. ``forget(id)``
 when a request ends.
+
+At start-up the engine asks ``plain_decode_runner()`` for a model whose plain decode
+steps it may compile or graph, and hands the result back with ``use_fast_decode``.
 """
 from __future__ import annotations
 
@@ -42,6 +45,11 @@ DraftProcess = Callable[[torch.Tensor, "torch.Tensor | None"], None]
 
 
 class Proposer(Protocol):
+    name: str
+    # a method besides the sequence's own that can draft for any sequence (``--spec auto``'s
+    # model proposer, weighed against the prompt lookup); None: none
+    fallback_method: str | None
+
     def ready(self, seq: Sequence) -> bool:
         """Whether ``seq`` can be drafted for in this step."""
 
@@ -59,3 +67,26 @@ class Proposer(Protocol):
                      starts: list[int]) -> None:
         """The target verified: ``tokens`` ``[B, k+1]`` (-1 padded past the accepted ones),
         ``target_hidden`` ``[B, k+1, H]``, ``starts`` the target's cached length before."""
+
+    def in_sync(self, seq: Sequence) -> bool:
+        """Whether its state covers ``seq`` (a lazy proposer: once it has caught up)."""
+
+    def method_for(self, seq: Sequence) -> str | None:
+        """The method that would draft for ``seq`` now; None: none can."""
+
+    def drafter(self, method: str) -> "Proposer":
+        """The proposer that drafts by ``method``."""
+
+    def flush(self, seqs: list[Sequence]) -> None:
+        """Catch up now on everything a lazy proposer left to later for ``seqs``, so that
+        drafting for them costs only the drafting."""
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop what is kept for it."""
+
+    def plain_decode_runner(self):
+        """The :class:`~..model_runner.ModelRunner` whose one-token decode steps the engine
+        may compile or graph for this proposer (the draft model's); None: none."""
+
+    def use_fast_decode(self, steps) -> None:
+        """Run those decode steps through ``steps`` (a graphed or compiled decode)."""

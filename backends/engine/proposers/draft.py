@@ -23,6 +23,7 @@ class DraftModelProposer:
     run; it catches up on every token it missed at once when it drafts next (or
     :data:`~.base.MAX_LAG` tokens wait)."""
     name = "draft_target"
+    fallback_method = None
 
     def __init__(self, draft: LlamaForCausalLM, pool: KVPagePool,
                  vocab_ids: torch.Tensor | None = None, lazy: bool = False):
@@ -61,6 +62,12 @@ class DraftModelProposer:
     def flush(self, seqs: list[Sequence]) -> None:
         """Catch up on every token the draft missed (lazy), for ``seqs``."""
         self._catch_up([s for s in seqs if not self.ready(s)])
+
+    def plain_decode_runner(self) -> ModelRunner:
+        return self.runner
+
+    def use_fast_decode(self, steps) -> None:
+        self.fast_decode = steps
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         todo = [(s, s.draft.computed, min(s.num_tokens, s.num_computed + 1)) for s in seqs]

@@ -22,6 +22,7 @@ class MTPProposer:
     once when it drafts next (or :data:`~.base.MAX_LAG` rows wait): steps that decode plainly or
     draft by ngram cost no head run. Its KV covers every committed row before it drafts."""
     name = "mtp"
+    fallback_method = None
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPagePool,
                  vocab_ids: torch.Tensor | None = None, lazy: bool = False):
@@ -88,6 +89,13 @@ class MTPProposer:
                 todo[s.request_id] = (held[0], torch.cat(held[1]))
         if todo:
             self._catch_up([s for s in seqs if s.request_id in todo], todo)
+
+    @staticmethod
+    def plain_decode_runner() -> None:
+        return None     # its drafting steps read the step before's hidden state: not plain decode
+
+    def use_fast_decode(self, steps) -> None:
+        raise ValueError("an MTP head has no plain decode steps to run fast")
 
     @torch.inference_mode()
     def _run(self, seqs, next_ids: list[list[int]], starts: list[int], hidden: torch.Tensor):

@@ -76,6 +76,7 @@ class NgramProposer:
     sequences are, otherwise it decodes plainly (a verify step of k+1 positions costs
     more than a decode step, so a sequence without a proposal is not padded into one)."""
     name = "ngram"
+    fallback_method = None
 
     def __init__(self, k: int, max_n: int, min_n: int):
         self.k, self.max_n, self.min_n = k, max_n, min_n
@@ -114,6 +115,16 @@ class NgramProposer:
     def catch_up(self, seqs: list[Sequence], step_hidden: StepHidden | None = None,
                  max_lag: int = 0) -> None:
         """Nothing to catch up: no model has to see the tokens."""
+
+    def flush(self, seqs: list[Sequence]) -> None:
+        """Nothing left to later."""
+
+    @staticmethod
+    def plain_decode_runner() -> None:
+        return None     # no model
+
+    def use_fast_decode(self, steps) -> None:
+        raise ValueError("prompt lookup has no model to run fast")
 
     def propose(self, seqs: list[Sequence], k: int,
                 process: DraftProcess | None = None) -> torch.Tensor:

@@ -177,12 +177,13 @@ def test_engine_with_compiled_decode_matches_hf(tiny_checkpoint, compile_cache, 
               compile_cache_dir=compile_cache, speculative=speculative)
     engine = llm.engine
     assert isinstance(engine.decode_graphs, CompiledDecode) and engine.decode_graphs.compiled == [1, 2, 4, 8]
-    assert (getattr(engine.proposer, "fast_decode", None) is not None) == (spec is not None)
+    draft = None if spec is None else engine.proposer.drafter("draft_target")
+    assert (getattr(draft, "fast_decode", None) is not None) == (spec is not None)
     want_verify = {None: set(), "draft_target": {(b, 3) for b in (1, 2, 4, 8)},
                    "adaptive_auto": {(b, k) for b in (1, 2, 4, 8) for k in (1, 2, 3)}}[spec]
     assert engine.decode_graphs.verify_compiled == want_verify
     if spec is not None:   # the draft's catch-up on the tokens a step accepted, compiled too
-        assert engine.proposer.fast_decode.verify_compiled == want_verify
+        assert draft.fast_decode.verify_compiled == want_verify
     params = [SamplingParams(max_tokens=NEW_TOKENS - 3 * i, temperature=0.0) for i in range(8)]
     outs = llm.generate(prompts(engine.model.config.vocab_size), params)
     for i, out in enumerate(outs):

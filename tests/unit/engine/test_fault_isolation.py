@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
-from tandem.backends.engine import llm_engine
+from tandem.backends.engine import llm_engine, speculation
 from tandem.backends.engine.async_engine import AsyncEngine, EngineStopped
 from tandem.backends.engine.config import EngineConfig
 from tandem.backends.engine.prefill_engine import PrefillEngine
@@ -60,7 +60,7 @@ def test_a_request_that_breaks_the_step_ends_alone(target_dir, draft_dir, monkey
     ps = prompts(5)
     ref = LLM(target_dir, page_size=4, **kw).generate(ps, GREEDY)
     monkeypatch.setattr(llm_engine, "sample", poisoned(llm_engine.sample))
-    monkeypatch.setattr(llm_engine, "verify_drafts", poisoned(llm_engine.verify_drafts))
+    monkeypatch.setattr(speculation, "verify_drafts", poisoned(speculation.verify_drafts))
     llm = LLM(target_dir, page_size=4, **kw)
     bad = SamplingParams(max_tokens=12, temperature=0.8, seed=POISON_SEED)
     params = [GREEDY, GREEDY, bad, GREEDY, GREEDY]
@@ -86,7 +86,7 @@ def test_a_failure_while_appending_tokens_ends_that_request_alone(target_dir):
 
     def broken(token):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-    llm.engine.detoks[seqs[1].request_id].add = broken
+    llm.engine.outputs.detoks[seqs[1].request_id].add = broken
     finals = {}
     while llm.engine.has_unfinished():
         finals.update({o.request_id: o for o in llm.engine.step() if o.finished})

@@ -80,7 +80,7 @@ def test_engine_with_graphed_decode_matches_hf(tiny_checkpoint, kv_layout):
     ref = hf_greedy(str(tiny_checkpoint))
     llm = LLM(tiny_checkpoint, dtype="float32", page_size=7, kv_layout=kv_layout, max_num_seqs=8)
     graphs = CountingGraphs()
-    llm.engine.decode_graphs = llm.engine.make_decode_graphs(graphs)
+    llm.engine.target.decode_graphs = llm.engine.target.make_decode_graphs(llm.engine.proposer, graphs)
     # prompts of different lengths finish at different steps: the batch shrinks
     params = [SamplingParams(max_tokens=NEW_TOKENS - 3 * i, temperature=0.0) for i in range(8)]
     outs = llm.generate(prompts(llm.engine.model.config.vocab_size), params)
@@ -98,7 +98,7 @@ def test_draft_decode_steps_replay_too(tiny_checkpoint):
     spec = SpeculativeConfig("draft_target", 3, draft_model=str(tiny_checkpoint))
     llm = LLM(tiny_checkpoint, dtype="float32", speculative=spec, max_num_seqs=8)
     graphs = CountingGraphs()
-    llm.engine.decode_graphs = llm.engine.make_decode_graphs(graphs)
+    llm.engine.target.decode_graphs = llm.engine.target.make_decode_graphs(llm.engine.proposer, graphs)
     outs = llm.generate(prompts(llm.engine.model.config.vocab_size), SamplingParams(
         max_tokens=NEW_TOKENS, temperature=0.0))
     assert [tuple(o.token_ids) for o in outs] == list(ref)

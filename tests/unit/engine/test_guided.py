@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
-from tandem.backends.engine.guided import GuideCompiler, GuideError, apply_guides, bitmask_words
+from tandem.backends.engine.guided import GuideCompiler, GuideError, bitmask_words, fill_guides, mask_logits
 from tandem.backends.engine.params import GuidedDecoding
 from tandem.backends.engine.sampler import verify_drafts
 from tandem.backends.models.tokenizer import load_tokenizer
@@ -23,6 +23,14 @@ pytest.importorskip("xgrammar")
 DEMO = Path(__file__).resolve().parents[3] / "checkpoints" / "demo"
 VOCAB = 4096
 EOS = 1
+
+
+def apply_guides(logits: torch.Tensor, rows: list[int], guides: list, drafts: torch.Tensor | None = None):
+    """The guided ``rows`` of ``logits`` [B, n, V] masked in place as the engine's step
+    masks them (fill the bitmasks, then mask); returns the dead positions."""
+    b, n, v = logits.shape
+    ahead = drafts[rows].tolist() if drafts is not None else [[] for _ in rows]
+    return mask_logits(logits, fill_guides(b, n, v, rows, guides, ahead))
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 10},

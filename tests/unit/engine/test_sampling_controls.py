@@ -392,12 +392,12 @@ def test_drafts_follow_the_controls_so_self_speculation_still_accepts(make_llm, 
 
 
 def test_a_plain_batch_never_reaches_the_logits_processors(make_llm, monkeypatch):
-    from tandem.backends.engine import llm_engine
+    from tandem.backends.engine import outputs, step_controls
 
     def forbidden(*args, **kwargs):
         raise AssertionError("logits processing ran for plain requests")
-    monkeypatch.setattr(llm_engine, "apply_controls", forbidden)
-    monkeypatch.setattr(llm_engine, "token_logprobs", forbidden)
+    monkeypatch.setattr(step_controls, "apply_controls", forbidden)
+    monkeypatch.setattr(outputs, "token_logprobs", forbidden)
     for spec in (None, "draft_target_self"):
         outs = make_llm(spec).generate(prompts(), [greedy(), SamplingParams(max_tokens=8, seed=1),
                                                    greedy(ignore_eos=True)])

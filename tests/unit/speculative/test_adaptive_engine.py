@@ -48,7 +48,7 @@ class Scripted(SpecController):
 def script(engine, schedule=SCHEDULE):
     scripted = Scripted(engine.controller.max_k, adaptive=True)
     scripted.schedule, scripted.steps, scripted.handed_over = schedule, itertools.count(), 0
-    engine.controller = scripted
+    engine.spec.controller = scripted
     return scripted
 
 
@@ -155,7 +155,7 @@ def test_a_wrong_draft_backs_off_on_given_costs(target_dir, other_draft_dir):
     """Costs pinned to 'a verify step costs what a decode step does': a draft that is
     nearly always wrong still stops drafting, by backoff, and probes again later."""
     llm = make(target_dir, "draft_target", other_draft_dir)
-    c = llm.engine.controller = GivenCosts(3)
+    c = llm.engine.spec.controller = GivenCosts(3)
     for k in range(4):
         c.costs.seed(("step", 1, k), 10.0 + 0.01 * k)
     llm.generate(prompts(384)[:1], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))

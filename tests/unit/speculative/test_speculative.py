@@ -117,7 +117,7 @@ def test_mtp_oracle_acceptance(target_dir, random_mtp_dir, off_by_one):
     engine = llm.engine
     prompt = prompts(384)[3]
     oracle = OracleHead(engine.model, prompt[0], off_by_one)
-    engine.proposer = MTPProposer(oracle, engine.model, engine.proposer.runner.pool)
+    engine.spec.proposer = MTPProposer(oracle, engine.model, engine.proposer.runner.pool)
     out = llm.generate(prompt, GREEDY)[0]
     assert tuple(out.token_ids) == hf_greedy(str(target_dir))[3]
     rate = engine.spec_metrics.acceptance_rate
