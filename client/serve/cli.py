@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.backends.speculative.config import AUTO, METHODS, SpeculativeConfig
+from tandem.backends.speculative.fit import checkpoint_misfit
 from tandem.backends.triton.settings import EngineSettings
 
 from tandem.client.serve import env_defaults, flags
@@ -146,6 +147,9 @@ def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) ->
         return
     option, name, demo = PROPOSERS[method]
     checkpoint = Path(getattr(args, name) or DEMO_CHECKPOINTS / demo)
+    if args.spec_method == AUTO and not getattr(args, name) and \
+            checkpoint_misfit(checkpoint, args.model_dir or DEMO_CHECKPOINTS / "target"):
+        return   # auto skips a default proposer that does not fit the target (said at start)
     what = given(option) if getattr(args, name) else f"{option} (default: {checkpoint})"
     config = checkpoint / "config.json"
     if not config.is_file():

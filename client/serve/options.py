@@ -12,13 +12,18 @@ and what only the server decides (which models, under which names).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tandem.backends.speculative.config import AUTO
+from tandem.backends.speculative.fit import checkpoint_misfit
 from tandem.backends.triton.settings import EngineSettings, setting
 from tandem.client.paths import DEMO_CHECKPOINTS
+
+log = logging.getLogger("tandem.serve")
 
 # the ensembles clients call, with what each is for (the other models are their steps)
 ENSEMBLES = {
@@ -128,9 +133,21 @@ class ServeOptions:
                 values["decode_idle_threads"] = str(os.cpu_count() or 2)
         values["model_dir"] = str(Path(engine.model_dir).resolve())
         for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
-            path = values[key] or (str(DEMO_CHECKPOINTS / demo) if self._uses(key) else "")
+            path = values[key] or (self._default_proposer(key, demo, values["model_dir"])
+                                   if self._uses(key) else "")
             values[key] = str(Path(path).resolve()) if path else ""
         return values
+
+    def _default_proposer(self, key: str, demo: str, model_dir: str) -> str:
+        """The demo's proposer, or "" where ``--spec auto`` cannot use it on this target
+        (it drafts by prompt lookup alone then; a method named for it refuses it on load)."""
+        path = DEMO_CHECKPOINTS / demo
+        misfit = checkpoint_misfit(path, model_dir) if self.engine.spec_method == AUTO else ""
+        if misfit:
+            log.warning("--spec auto: the default %s %s does not fit the target (%s): drafting by "
+                        "prompt lookup only", "--" + key.replace("_", "-"), path, misfit)
+            return ""
+        return str(path)
 
     def _check_disagg_policy(self) -> None:
         from tandem.backends.disagg.routing import RoutingPolicy

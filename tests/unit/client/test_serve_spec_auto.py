@@ -34,3 +34,19 @@ def test_the_engine_gets_the_mtp_head_and_adaptive_k(given, method, adaptive):
         {"parameters": {k: {"string_value": v} for k, v in values.items()}}).speculative()
     assert (spec.method, spec.auto, spec.adaptive) == (method, True, adaptive)
     assert Path(spec.mtp_head).name == "mtp" and spec.draft_model is None
+
+
+def test_auto_skips_a_default_head_that_does_not_fit_the_target(tmp_path, caplog, capsys):
+    """Any Llama-family target starts with --spec auto: the demo MTP head (hidden 384, vocab
+    4096) is skipped for another model, with a line that says why, and prompt lookup drafts."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
+    assert accepted(["--spec", "auto", "--model", str(tmp_path)]).spec_method == "auto"
+    with caplog.at_level("WARNING", logger="tandem.serve"):
+        values = ServeOptions.of(model_dir=str(tmp_path), spec_method="auto").template_values()
+    assert values["mtp_head"] == "" and values["draft_model"] == ""
+    spec = EngineSettings.from_model_config(
+        {"parameters": {k: {"string_value": v} for k, v in values.items()}}).speculative()
+    assert (spec.method, spec.auto) == ("ngram", True)
+    assert "does not fit the target (it was trained for hidden 384, vocab 4096; the target has " \
+           "hidden 576, vocab 49152): drafting by prompt lookup only" in caplog.text
