@@ -233,7 +233,8 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     def pages_back():
         pages = {s: decode.metric("tandem_kv_pages", "kv_transfer", state=s)
                  for s in ("free", "reserved", "in_use")}
-        assert pages == {"free": free0, "reserved": 0, "in_use": 0}, f"pages never came back: {pages}, {free0} free before"
+        assert pages == {"free": free0, "reserved": 0, "in_use": 0}, \
+            f"pages never came back: {pages}, {free0} free before"
     eventually(pages_back, timeout_s=RECEIVE_DRAIN_S + 20)
     assert decode.metric("tandem_kv_transfer_failures_total", "decode") == failed0 + 1
     # and the prefill server gave its side up (and with it its own pages): when UCX's

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from tandem.client.openai.chat_template import PLAIN
 from tandem.client.serve.triton_server import free_port
 
 from .servers import serve_command
-from .triton_calls import busy_pages, metric, pages_back, post_json, settled
+from .triton_calls import busy_pages, metric, metric_reaches, pages_back, post_json, settled
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -156,10 +155,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
         if i == 5:
             break
     stream.close()                                # the HTTP connection goes away mid-stream
-    deadline = time.monotonic() + 30
-    while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
-        assert time.monotonic() < deadline, "the engine did not stop the abandoned stream"
-        time.sleep(0.1)
+    metric_reaches(served, "tandem_requests_finished_total", "decode", aborted + 1, reason="abort",
+                   failing="the engine did not stop the abandoned stream")
     pages_back(served, idle, "decode", failing="the abandoned stream's pages were not freed")
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     assert r.choices[0].text == ensemble_text(served, PROMPT, 6)[0]
@@ -177,15 +174,10 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2000, min_tokens=2000)),
                  {"Content-Type": "application/json"})
-    deadline = time.monotonic() + 30
-    while metric(served, "tandem_requests_in_engine", "decode") < 1:   # it reached the engine
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        time.sleep(0.05)
+    metric_reaches(served, "tandem_requests_in_engine", "decode", 1, failing="the request never reached the engine")
     conn.close()
-    deadline = time.monotonic() + 30
-    while metric(served, "tandem_requests_finished_total", "decode", reason="abort") < aborted + 1:
-        assert time.monotonic() < deadline, "the engine did not stop the abandoned request"
-        time.sleep(0.1)
+    metric_reaches(served, "tandem_requests_finished_total", "decode", aborted + 1, reason="abort",
+                   failing="the engine did not stop the abandoned request")
     pages_back(served, idle, "decode", failing="the abandoned request's pages were not freed")
 
 

@@ -162,6 +162,14 @@ def settled(read: Callable[[], T], quiet_s: float = 1.2, timeout_s: float = HANG
     return value
 
 
+def metric_reaches(server, name: str, model: str, value: float, failing: str, **labels) -> None:
+    """Wait until the metric (a counter, a gauge that must rise) is at least ``value``;
+    ``failing``: the message if it never is."""
+    def reached():
+        assert (now := metric(server, name, model, **labels)) >= value, f"{failing}: {name} is {now}, not {value}"
+    eventually(reached)
+
+
 def pages_back(server, idle: tuple[float, ...], *models: str, failing: str) -> None:
     """Wait until :func:`busy_pages` of ``models`` is ``idle`` again; ``failing``: the
     message if it never is."""

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from tandem.backends.triton.generate_request import RequestError, check_context, parse_generate_request, parse_token_request
+from tandem.backends.triton.generate_request import (RequestError, check_context, parse_generate_request,
+                                                     parse_token_request)
 
 from .fakes import CONTEXT, VOCAB, FakeTokenizer
 from .model_calls import arrays
