@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from ..kv_cache.pages import KV_LAYOUTS, pages_needed
 from ..models.config import DTYPE_BYTES, DTYPE_CHOICES, DTYPES, ModelConfig
 from ..models.dtype import AUTO, resolve_dtype
+from ..models.model_path import resolve_model_path
 from ..speculative.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
@@ -60,6 +61,8 @@ class EngineConfig:
     dtype_reason: str = field(default="", compare=False)   # why this dtype (set with "auto")
 
     def __post_init__(self) -> None:
+        # a GGUF file (or a directory of one) loads as its converted, cached HF directory
+        object.__setattr__(self, "model_dir", self.model_dir and str(resolve_model_path(self.model_dir)))
         if self.dtype == AUTO:
             choice = resolve_dtype(AUTO, self.device)
             object.__setattr__(self, "dtype", choice.dtype)

@@ -157,7 +157,9 @@ class TritonServer:
             from tandem.client.demo_checkpoint import default_model_dir
 
             self.options.engine = replace(self.options.engine, model_dir=str(default_model_dir()))
-        model_dir = self.options.engine.model_dir
+        from tandem.backends.models.model_path import resolve_model_path   # a GGUF: its converted dir
+        model_dir = str(resolve_model_path(self.options.engine.model_dir))
+        self.options.engine = replace(self.options.engine, model_dir=model_dir)
         if not (Path(model_dir) / "config.json").is_file():
             raise ServerError(f"--model: {model_dir} has no config.json (a Hugging Face checkpoint dir)")
         if self.model_control_mode not in ("none", "explicit"):
