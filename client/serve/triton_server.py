@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tandem.rdma.pool_layout import pid_exists
 
+from tandem.client.paths import DEMO_MODEL
 from tandem.client.serve.process_group import die_with_parent, kill_group, killpg
 from tandem.backends.triton.settings import setting
 from tandem.client.serve.repository import render_repository
@@ -153,7 +154,7 @@ class TritonServer:
         self.stop()
 
     def start(self) -> "TritonServer":
-        if not self.options.engine.model_dir:
+        if self.options.engine.model_dir in ("", DEMO_MODEL):   # the demo target
             from tandem.client.demo_checkpoint import default_model_dir
 
             self.options.engine = replace(self.options.engine, model_dir=str(default_model_dir()))

