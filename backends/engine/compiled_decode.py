@@ -20,16 +20,24 @@ tokens differs. Warm-up times them per (bucket, k) for the ``verify_ks`` it is g
 to :data:`VERIFY_MAX_BUCKET` (beyond, a verify batch is GEMM-bound and runs eagerly),
 and keeps the compiled ones that measured faster.
 Inductor's FX-graph and AOT caches persist under ``cache_dir``, so a restart loads the
-kernels instead of compiling them again. Fused kernels round differently from the eager
+kernels instead of compiling them again; so does warm-up's decision (which buckets and
+(bucket, k) to keep compiled, with the timings it was made from), keyed by what the timings
+depend on: the model's shapes, dtype, buckets, draft counts, torch, threads and CPU. A
+restart on the same machine compiles what was kept and measures nothing (delete
+``cache_dir/tandem-warmup`` to measure again). Fused kernels round differently from the eager
 ones: fp32 agrees to ~1e-6; bf16 greedy text can differ from the eager engine's at
 near-ties.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -121,16 +129,61 @@ class WarmUp:
     # (bucket, k) -> (eager ms, compiled ms) of verify steps, and those kept compiled
     verify_timings: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     verify_compiled: list[tuple[int, int]] = field(default_factory=list)
+    remembered: bool = False     # the decision (and timings) of an earlier warm-up here
 
     def describe(self) -> str:
         per = ", ".join(f"{b}: {e:.2f}/{c:.2f}" for b, (e, c) in sorted(self.timings.items()))
+        how = "decided by an earlier warm-up on this machine; " if self.remembered else ""
         text = (f"compiled decode for batch buckets {self.compiled or 'none'} "
-                f"(warm-up {self.seconds:.1f} s; eager/compiled ms per step: {per or 'not measured'})")
+                f"(warm-up {self.seconds:.1f} s; {how}eager/compiled ms per step: {per or 'not measured'})")
         if self.verify_timings:
             per = ", ".join(f"{b}/k{k}: {e:.2f}/{c:.2f}"
                             for (b, k), (e, c) in sorted(self.verify_timings.items()))
             text += f"; verify (bucket/k) compiled for {self.verify_compiled or 'none'} ({per})"
         return text
+
+
+def save_warm_up(path: Path, key: dict, warm: WarmUp) -> None:
+    """Write ``warm``'s decision and timings for ``key`` (atomically: a torn file is never read)."""
+    data = {"key": key, "compiled": warm.compiled, "verify_compiled": [list(x) for x in warm.verify_compiled],
+            "timings": [[b, *t] for b, t in sorted(warm.timings.items())],
+            "verify_timings": [[b, k, *t] for (b, k), t in sorted(warm.verify_timings.items())]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def load_warm_up(path: Path, key: dict) -> WarmUp | None:
+    """The warm-up saved at ``path`` for exactly ``key``; None when there is none (or it
+    cannot be read, or was made for another key).
+
+    >>> import tempfile; p = Path(tempfile.mkdtemp()) / "w.json"
+    >>> save_warm_up(p, {"cpu": "x"}, WarmUp(9.0, {1: (5.0, 3.0)}, [1], {(1, 2): (6.0, 7.0)}, []))
+    >>> w = load_warm_up(p, {"cpu": "x"}); (w.compiled, w.timings, w.verify_timings, w.remembered)
+    ([1], {1: (5.0, 3.0)}, {(1, 2): (6.0, 7.0)}, True)
+    >>> load_warm_up(p, {"cpu": "y"}) is None
+    True
+    """
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        return WarmUp(0.0, {b: (e, c) for b, e, c in data["timings"]}, list(data["compiled"]),
+                      {(b, k): (e, c) for b, k, e, c in data["verify_timings"]},
+                      [tuple(x) for x in data["verify_compiled"]], remembered=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _ms_per_step(fn, steps: int) -> float:
@@ -206,7 +259,12 @@ class CompiledDecode:
         by default: enough for k + 1 <= page_size)."""
         start = time.perf_counter()
         pages = scratch_pages or [scratch_page]
-        shapes = [(b, 0) for b in self.buckets] + sorted(self.verify_compiled)
+        key, memory = self._warm_up_key(), self._warm_up_file()
+        remembered = load_warm_up(memory, key) if measure else None
+        if remembered is not None:   # compile what it kept (from inductor's cache), time nothing
+            self.compiled, self.verify_compiled = list(remembered.compiled), set(remembered.verify_compiled)
+            measure = False
+        shapes = [(b, 0) for b in self.compiled] + sorted(self.verify_compiled)
         timings: dict[tuple[int, int], tuple[float, float]] = {}
         for bucket, k in shapes:
             batch = ForwardBatch([[0] * (k + 1)] * bucket, [0] * bucket,
@@ -226,12 +284,33 @@ class CompiledDecode:
             runs = [(_ms_per_step(eager, steps), _ms_per_step(compiled, steps))
                     for _ in range(rounds)]        # interleaved; the fastest round of each
             timings[(bucket, k)] = (min(e for e, _ in runs), min(c for _, c in runs))
+        if remembered is not None:
+            self.warmed = dataclasses.replace(remembered, seconds=time.perf_counter() - start,
+                                              compiled=list(self.compiled),
+                                              verify_compiled=sorted(self.verify_compiled))
+            return self.warmed
         decode = {b: t for (b, k), t in timings.items() if k == 0}
-        verify = {key: t for key, t in timings.items() if key[1]}
+        verify = {shape: t for shape, t in timings.items() if shape[1]}
         if measure and self.compiled:
             self.compiled = buckets_worth_compiling(decode)
         if measure and self.verify_compiled:
-            self.verify_compiled = {key for key, (e, c) in verify.items() if c < KEEP_MARGIN * e}
+            self.verify_compiled = {shape for shape, (e, c) in verify.items() if c < KEEP_MARGIN * e}
         self.warmed = WarmUp(time.perf_counter() - start, decode, list(self.compiled), verify,
                              sorted(self.verify_compiled))
+        if measure and timings:
+            save_warm_up(memory, key, self.warmed)
         return self.warmed
+
+    def _warm_up_key(self) -> dict:
+        """What warm-up's timings depend on (not the weights' values: their shapes)."""
+        cfg = self.runner.model.config
+        model = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else vars(cfg)
+        return json.loads(json.dumps({
+            "model": model, "kind": type(self.runner.model).__name__, "dtype": str(self.runner.dtype),
+            "page_size": self.runner.pool.page_size, "kv_layout": self.runner.pool.kv_layout,
+            "buckets": self.buckets, "verify": sorted(self.verify_compiled), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu": _cpu_model()}, default=str))
+
+    def _warm_up_file(self) -> Path:
+        digest = hashlib.sha256(json.dumps(self._warm_up_key(), sort_keys=True).encode()).hexdigest()[:16]
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "tandem-warmup" / f"{digest}.json"

@@ -98,6 +98,29 @@ def test_warm_up_times_and_decides_verify_steps(tiny_checkpoint, compile_cache):
     assert not pool.kv[:, :7].any(), "warm-up wrote outside the scratch page"
 
 
+def test_a_restart_keeps_the_earlier_warm_up_decision_and_measures_nothing(tiny_checkpoint, tmp_path,
+                                                                           monkeypatch):
+    """The same model, shapes, torch, threads and CPU: the second warm-up takes the first's
+    decision and timings (and compiles only what it kept); other buckets measure again."""
+    from tandem.backends.engine import compiled_decode
+    model = load_model(tiny_checkpoint, "float32")
+    pool = KVPagePool.for_model(model.config, 8, 4, torch.float32, "HND", "cpu")
+    make = lambda buckets: CompiledDecode(ModelRunner(model, pool), buckets=buckets, cache_dir=str(tmp_path),
+                                          verify_ks=[2])
+    first = make([1, 2]).warm_up(scratch_page=7, rounds=1, steps=1)
+    assert not first.remembered and sorted(first.timings) == [1, 2]
+    timed = []
+    monkeypatch.setattr(compiled_decode, "_ms_per_step", lambda fn, steps: timed.append(1) or 1.0)
+    again = make([1, 2])
+    second = again.warm_up(scratch_page=7, rounds=1, steps=1)
+    assert second.remembered and timed == []
+    assert (second.compiled, second.verify_compiled, second.timings, second.verify_timings) == \
+        (first.compiled, first.verify_compiled, first.timings, first.verify_timings)
+    assert again.compiled == first.compiled and again.verify_compiled == set(first.verify_compiled)
+    other = make([1, 4]).warm_up(scratch_page=7, rounds=1, steps=1)
+    assert not other.remembered and timed        # another key: measured
+
+
 def test_batches_it_does_not_take_run_eagerly(tiny_checkpoint, compile_cache):
     model = load_model(tiny_checkpoint, "float32")
     pool = KVPagePool.for_model(model.config, 16, 4, torch.float32, "HND", "cpu")
