@@ -114,7 +114,7 @@ def sentencepiece_vocab() -> dict:
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], vocab, types=TYPES, arch: str = "llama",
-               extra_tensor: tuple | None = None, rng_seed: int = 0) -> Path:
+               extra_tensor: tuple | None = None, rng_seed: int = 0, embd=T.Q8_0, output=T.F16) -> Path:
     rng = np.random.default_rng(rng_seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -145,7 +145,7 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], vocab, types=TYPES, a
             x = permute_rope(x, HEADS if ".attn_q." in g else KV_HEADS)
         leaf = g.split(".")[-2]
         qtype = types[int(g.split(".")[1])][leaf] if g.startswith("blk.") and leaf in types[0] else (
-            T.Q8_0 if g.startswith("token_embd") else T.F16 if g.startswith("output.") else T.F32)
+            embd if g.startswith("token_embd") else output if g.startswith("output.") else T.F32)
         if qtype in K_SCALES:
             w.add_tensor(g, k_quant_blocks(*x.shape, qtype, rng), raw_dtype=qtype)
         elif qtype == T.F16:
@@ -300,6 +300,23 @@ def test_sentencepiece_tokenizer_ids_equal_transformers(tmp_path):
     # a character the vocabulary lacks (written as chr(): this file is the training text)
     assert ours.encode(chr(0x20AA)).tokens[1:] == ["▁", "<0xE2>", "<0x82>", "<0xAA>"]   # byte fallback
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is True
+
+
+def test_greedy_text_from_the_gguf_equals_the_hf_directory_of_the_same_weights(vocab, tmp_path):
+    """Every tensor stored F32: the GGUF path and an HF checkpoint directory of the source
+    weights (safetensors, the converted config and tokenizer) give the same greedy text."""
+    from safetensors.torch import save_file
+    weights = hf_weights(tied=False, seed=3)
+    f32 = {i: dict.fromkeys(TYPES[0], T.F32) for i in range(LAYERS)}
+    path = write_gguf(tmp_path / "f32.gguf", weights, vocab, f32, embd=T.F32, output=T.F32)
+    hf_dir = convert_gguf(path, tmp_path / "hf")
+    save_file({k: torch.from_numpy(v) for k, v in weights.items()}, str(hf_dir / "model.safetensors"))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["hello world", "def f(x):\n    return", "Ünïcödé ✓ text"]
+    from_gguf = LLM(str(path), dtype="float32", enforce_eager=True).generate(prompts, params)
+    from_dir = LLM(str(hf_dir), dtype="float32", enforce_eager=True).generate(prompts, params)
+    assert [(o.token_ids, o.text) for o in from_gguf] == [(o.token_ids, o.text) for o in from_dir]
+    assert len({tuple(o.token_ids) for o in from_dir}) > 1
 
 
 def test_chat_prompt_through_the_engine(gguf_file):
