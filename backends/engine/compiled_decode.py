@@ -52,10 +52,17 @@ VERIFY_MAX_BUCKET = 16   # the largest batch whose verify steps are timed and ma
 
 
 def default_cache_dir() -> str:
-    """``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``~/.cache/tandem/inductor`` (inductor's
-    own default is under /tmp, which a reboot empties)."""
+    """``$TORCHINDUCTOR_CACHE_DIR`` if the user set it, else ``~/.cache/tandem/inductor``
+    (inductor's own default is under /tmp, which a reboot empties; torch writes that default
+    into the variable itself when its inductor is first imported, e.g. by loading a model,
+    so the variable holding exactly torch's default counts as unset)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(base, "tandem", "inductor")
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+        if given != torch_default():
+            return given
+    return os.path.join(base, "tandem", "inductor")
 
 
 def buckets_worth_compiling(timings: dict[int, tuple[float, float]],

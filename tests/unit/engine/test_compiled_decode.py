@@ -121,6 +121,21 @@ def test_a_restart_keeps_the_earlier_warm_up_decision_and_measures_nothing(tiny_
     assert not other.remembered and timed        # another key: measured
 
 
+def test_the_default_cache_dir_survives_a_reboot(monkeypatch, tmp_path):
+    """torch puts its own /tmp default into TORCHINDUCTOR_CACHE_DIR when inductor loads:
+    that counts as unset (the cache goes under ~/.cache); a directory the user set is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    from tandem.backends.engine.compiled_decode import default_cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default())
+    assert default_cache_dir() == str(tmp_path / "tandem" / "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert default_cache_dir() == str(tmp_path / "tandem" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == str(tmp_path / "mine")
+
+
 def test_batches_it_does_not_take_run_eagerly(tiny_checkpoint, compile_cache):
     model = load_model(tiny_checkpoint, "float32")
     pool = KVPagePool.for_model(model.config, 16, 4, torch.float32, "HND", "cpu")
