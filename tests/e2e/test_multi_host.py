@@ -199,7 +199,13 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_bytes = (n_tokens - 1) * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4
 
-    free0 = decode.metric("tandem_kv_pages", "kv_transfer", state="free")
+    def pages():
+        return {s: decode.metric("tandem_kv_pages", "kv_transfer", state=s)
+                for s in ("free", "reserved", "in_use")}
+
+    # the gauge is refreshed by a poll: an earlier test's last pages may still read as in
+    # use here, so the baseline is the pool's size, not the free count of the moment
+    num_pages = sum(pages().values())
     got0 = decode.metric("tandem_kv_received_bytes_total", "kv_transfer")
     failed0 = decode.metric("tandem_kv_transfer_failures_total", "decode")
     link.limit_rate("a", SHAPED_RATE)          # prefill -> decode: the KV takes seconds
@@ -231,10 +237,9 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     # every page comes back: the failed reservation's, nothing reserved or in use
 
     def pages_back():
-        pages = {s: decode.metric("tandem_kv_pages", "kv_transfer", state=s)
-                 for s in ("free", "reserved", "in_use")}
-        assert pages == {"free": free0, "reserved": 0, "in_use": 0}, \
-            f"pages never came back: {pages}, {free0} free before"
+        now = pages()
+        assert now == {"free": num_pages, "reserved": 0, "in_use": 0}, \
+            f"pages never came back: {now} of {num_pages}"
     eventually(pages_back, timeout_s=RECEIVE_DRAIN_S + 20)
     assert decode.metric("tandem_kv_transfer_failures_total", "decode") == failed0 + 1
     # and the prefill server gave its side up (and with it its own pages): when UCX's
