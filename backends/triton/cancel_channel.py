@@ -96,6 +96,15 @@ class CancelListener:
         self._sock.close()
 
 
+def is_token(token: bytes) -> bool:
+    """Whether ``token`` has a cancel token's shape (``<endpoint>/<32 hex digits>``).
+
+    >>> is_token(b"decode_0.1.42/" + b"0" * 32), is_token(b"../x")
+    (True, False)
+    """
+    return _TOKEN.fullmatch(token) is not None
+
+
 def send_cancel(token: bytes, server_pid: int | None = None) -> bool:
     """Ask the engine model that issued ``token`` to cancel its sequence; False when the
     token is malformed or no listener answers at its address."""

@@ -152,7 +152,7 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
     arrays = await _inputs(fe, model, body, [(p, j) for p in prompts for j in range(body.n)],
                            body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
     rid, created = new_id("cmpl"), now()
-    events = _start(fe, model, arrays, rid)
+    events = await _start(fe, model, arrays, rid)
     echo = [prompts[i // body.n] if body.echo else "" for i in range(len(arrays))]
     top = bool(body.logprobs)
 
@@ -212,7 +212,7 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
     max_tokens = body.token_limit() or _rest_of_context(fe, prompt)
     arrays = await _inputs(fe, model, body, [(prompt, j) for j in range(body.n)], max_tokens, body.logprobs)
     rid, created = new_id("chatcmpl"), now()
-    events = _start(fe, model, arrays, rid)
+    events = await _start(fe, model, arrays, rid)
     top = body.top_logprobs or 0
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> str:
@@ -273,12 +273,17 @@ async def _inputs(fe: Frontend, model: str, body, prompts: list[tuple[str, int]]
                             logprobs=logprobs, model=model) for p, j in prompts]
 
 
-def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> AsyncIterator[Event]:
+async def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> AsyncIterator[Event]:
+    """The choices' streams, merged: from the model's direct twin where the server has one
+    (its replies straight from the engine model), from the full ensemble for log
+    probabilities (which only it returns)."""
+    logprobs = "return_log_probs" in arrays[0]
+    target, cancel = (model, None) if logprobs else await fe.backend.direct_route(model)
     # only the outputs read here (Tandem's ensembles send every declared output on every
     # response, so asking for fewer never holds a response back)
-    wanted = BASE_OUTPUTS + (("output_log_probs",) if "return_log_probs" in arrays[0] else ()) + (
+    wanted = BASE_OUTPUTS + (("output_log_probs",) if logprobs else ()) + (
         (CACHED_OUTPUT,) if fe.backend.declares_output(model, CACHED_OUTPUT) else ())
-    return merged([fe.backend.generate(model, a, request_id=f"{rid}-{i}", outputs=wanted)
+    return merged([fe.backend.generate(target, a, request_id=f"{rid}-{i}", outputs=wanted, cancel_model=cancel)
                    for i, a in enumerate(arrays)])
 
 

@@ -87,14 +87,16 @@ class OpenAIFrontend:
         self._thread = None
 
 
-# ensembles that take token ids, not text: nothing for the OpenAI API to front
+# ensembles that take token ids, not text, and the text ensembles' direct twins (the
+# path the API streams from, not another model): nothing for the OpenAI API to list
 TOKEN_ENSEMBLES = frozenset({"tandem_tokens"})
 
 
 def text_models(options) -> list[str]:
     """The text ensembles a :class:`~tandem.client.serve.options.ServeOptions` serves
     (an ``--ensemble-name`` alias included), the OpenAI API's model ids."""
-    return [m for m in options.ensembles if m not in TOKEN_ENSEMBLES]
+    from tandem.client.serve.options import DIRECT
+    return [m for m in options.ensembles if m not in TOKEN_ENSEMBLES and m not in DIRECT.values()]
 
 
 def start_for(server, port: int, log_level: str = "warning") -> OpenAIFrontend | None:

@@ -4,8 +4,12 @@ One OpenAI choice is one gRPC ``ModelStreamInfer`` stream carrying one request: 
 request goes out, the stream is half-closed, and the ensemble's responses come back
 until the one with Triton's final flag (``enable_empty_final_response``). Leaving the
 iterator early (the HTTP client went away, the task was cancelled) cancels the gRPC
-call, which makes Triton cancel the request; ``postprocess`` carries that to the engine,
-which frees the sequence's KV pages. A request that already ended is not cancelled
+call, which makes Triton cancel the request; in a full ensemble ``postprocess`` carries
+that to the engine, which frees the sequence's KV pages. A direct ensemble
+(``tandem_direct``: no postprocess) has no such carrier, so the stream's
+``cancel_token`` goes to the ``cancel`` model (:meth:`TritonBackend.generate` with
+``cancel_model``); a stream given up before its first response is read on in the
+background until the token arrives. A request that already ended is not cancelled
 (tritonserver 2.51 may fail to unload a model after a completed request was cancelled).
 
 >>> backend = TritonBackend("127.0.0.1:8001")                                # doctest: +SKIP
@@ -24,6 +28,10 @@ from .protocol import OpenAIError
 TRITON_TYPES = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
                 np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
 FINAL = "triton_final_response"
+CANCEL_TOKEN = "cancel_token"
+CANCEL_MODEL = "cancel"
+# how long a stream given up before its first response is read on for its cancel token
+CANCEL_TOKEN_WAIT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -38,6 +46,7 @@ class EnsembleResponse:
     final: bool = False
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    cancel_token: bytes | None = None     # a direct ensemble's: what the cancel model takes
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +83,8 @@ def parse_result(result) -> EnsembleResponse:
         num_cached_tokens=None if _first(result, "num_cached_tokens") is None
         else int(_first(result, "num_cached_tokens")),
         output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
-        log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)])
+        log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)],
+        cancel_token=None if _first(result, CANCEL_TOKEN) is None else bytes(_first(result, CANCEL_TOKEN)))
 
 
 def _parse_raw(outputs, raw, final: bool) -> EnsembleResponse:
@@ -103,6 +113,8 @@ def _parse_raw(outputs, raw, final: bool) -> EnsembleResponse:
             r.output_ids = np.frombuffer(data, dtype="<i4").tolist()
         elif name == "output_log_probs":
             r.log_probs = np.frombuffer(data, dtype="<f4").astype(float).tolist()
+        elif name == CANCEL_TOKEN:
+            r.cancel_token = _first_bytes(data) or None
     return r
 
 
@@ -125,6 +137,8 @@ class TritonBackend:
         self.timeout_s = timeout_s
         self._client = None
         self._interfaces: dict[str, ModelInterface] = {}
+        self._background: set = set()     # cancels in flight (a reference keeps each task alive)
+        self._routes: dict[str, tuple[str, str | None]] = {}
 
     @property
     def client(self):
@@ -134,9 +148,30 @@ class TritonBackend:
         return self._client
 
     async def close(self) -> None:
+        import asyncio
+        if self._background:   # cancels still on their way: the engine frees those pages
+            await asyncio.wait(set(self._background), timeout=5)
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    async def direct_route(self, model: str) -> tuple[str, str | None]:
+        """``(ensemble, cancel model)`` to stream ``model``'s requests through: its direct
+        twin (no postprocess step: one hop less per token) and the ``cancel`` model when the
+        server serves both, else ``model`` itself and None (asked once per model)."""
+        from tandem.client.serve.options import DIRECT
+        if model not in self._routes:
+            twin, route = DIRECT.get(model), (model, None)
+            if twin is not None and await self._serves(twin) and await self._serves(CANCEL_MODEL):
+                route = (twin, CANCEL_MODEL)
+            self._routes[model] = route
+        return self._routes[model]
+
+    async def _serves(self, model: str) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(model))
+        except Exception:
+            return False
 
     def declares_output(self, model: str, name: str) -> bool:
         """Whether ``model``'s interface, as last asked, has output ``name``."""
@@ -161,11 +196,14 @@ class TritonBackend:
             return False
 
     async def generate(self, model: str, arrays: dict[str, np.ndarray], request_id: str = "",
-                       outputs: tuple[str, ...] | None = None) -> AsyncIterator[EnsembleResponse]:
+                       outputs: tuple[str, ...] | None = None,
+                       cancel_model: str | None = None) -> AsyncIterator[EnsembleResponse]:
         """Yield the ensemble's responses to one request, the final one last.
 
         ``outputs``: the outputs to ask for (None: all it declares); fewer are less work
-        for the server and here. Raises :class:`OpenAIError`: the ensemble's error (its status read off the
+        for the server and here. ``cancel_model``: ``model`` is a direct ensemble, whose
+        stream, when left early, is cancelled through that model with its
+        ``cancel_token`` (asked for with the outputs). Raises :class:`OpenAIError`: the ensemble's error (its status read off the
         message, :func:`~.ensemble_request.upstream_error`), or 503 when the server
         cannot be reached or the stream broke.
         """
@@ -174,7 +212,10 @@ class TritonBackend:
         from .ensemble_request import upstream_error
 
         inputs = [_infer_input(name, arr) for name, arr in arrays.items()]
+        if cancel_model is not None and outputs is not None and CANCEL_TOKEN not in outputs:
+            outputs = (*outputs, CANCEL_TOKEN)
         requested = None if outputs is None else [_requested_output(name) for name in outputs]
+        token = None
 
         async def requests():
             yield {"model_name": model, "inputs": inputs, "request_id": request_id, "outputs": requested,
@@ -190,6 +231,7 @@ class TritonBackend:
                     raise upstream_error(error.message() if hasattr(error, "message") else str(error))
                 response = parse_result(result)
                 finished = response.final
+                token = token or response.cancel_token
                 yield response
                 if finished:
                     return
@@ -201,7 +243,42 @@ class TritonBackend:
             raise unreachable(self.url, exc) from None
         finally:
             if not finished:
-                call.cancel()
+                if cancel_model is None:
+                    call.cancel()
+                else:
+                    self._spawn(self._cancel_direct(call, cancel_model, token))
+
+    def _spawn(self, coro) -> None:
+        import asyncio
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_direct(self, call, cancel_model: str, token: bytes | None) -> None:
+        """Cancel a direct ensemble's stream: its token to ``cancel_model`` (read on until
+        the first response brings it, at most :data:`CANCEL_TOKEN_WAIT_S`), then the call."""
+        import asyncio
+
+        import tritonclient.grpc as grpcclient
+        try:
+            if token is None:
+                async def first_token():
+                    async for result, error in call:
+                        if error is not None:
+                            return None
+                        r = parse_result(result)
+                        if r.cancel_token or r.final:
+                            return r.cancel_token
+                    return None
+                token = await asyncio.wait_for(first_token(), CANCEL_TOKEN_WAIT_S)
+            if token is not None:
+                t = grpcclient.InferInput(CANCEL_TOKEN, [1], "BYTES")
+                t.set_data_from_numpy(np.array([token], dtype=np.object_))
+                await self.client.infer(cancel_model, [t], client_timeout=10)
+        except Exception:   # the server went away, or the stream ended meanwhile: nothing to free
+            pass
+        finally:
+            call.cancel()
 
 
 def unreachable(url: str, exc: BaseException) -> OpenAIError:

@@ -30,10 +30,16 @@ ENSEMBLES = {
     "tandem": "text, disaggregated prefill/decode",
     "tandem_tokens": "token ids, disaggregated prefill/decode",
     "tandem_colocated": "text, colocated (the baseline)",
+    "tandem_direct": "text, disaggregated, decode's replies straight out (cancel: the cancel model)",
+    "tandem_colocated_direct": "text, colocated, llm's replies straight out (cancel: the cancel model)",
 }
-COLOCATED = ("preprocess", "llm", "postprocess", "tandem_colocated")
+# the text ensembles' twins without postprocess (one hop less per token), which the OpenAI
+# API streams from; their clients cancel through the "cancel" model
+DIRECT = {"tandem": "tandem_direct", "tandem_colocated": "tandem_colocated_direct"}
+COLOCATED = ("preprocess", "llm", "postprocess", "cancel", "tandem_colocated", "tandem_colocated_direct")
 PREFILL = ("prefill",)   # a prefill server: decode servers send it jobs (--prefill-endpoints)
-DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "tandem", "tandem_tokens")
+DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "cancel", "tandem",
+                 "tandem_tokens", "tandem_direct")
 # the models each mode serves; "both" puts the two paths side by side for benchmarks
 MODES = {
     "disaggregated": DISAGGREGATED,

@@ -162,6 +162,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, client):
     assert r.choices[0].text == ensemble_text(served, PROMPT, 6)[0]
 
 
+def inference_count(served, model: str) -> int:
+    import tritonclient.grpc as grpcclient
+    with grpcclient.InferenceServerClient(served.grpc_url) as c:
+        stats = c.get_inference_statistics(model, as_json=True)["model_stats"]
+    return sum(int(s.get("inference_count", 0)) for s in stats)
+
+
+def test_the_api_streams_from_decode_without_the_postprocess_hop(served, client):
+    """The API's per-token path: decode's replies straight out through ``tandem_direct``,
+    never a postprocess execution per token; the text is the full ensemble's."""
+    post0, direct0 = inference_count(served, "postprocess"), inference_count(served, "tandem_direct")
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert inference_count(served, "tandem_direct") == direct0 + 1
+    assert inference_count(served, "postprocess") == post0
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ensemble_text(served, PROMPT, 12)[0]
+
+
+def test_the_cancel_model_refuses_what_is_not_a_cancel_token(served):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    t = grpcclient.InferInput("cancel_token", [1], "BYTES")
+    t.set_data_from_numpy(np.array([b"../decode_0/123"], dtype=np.object_))
+    with grpcclient.InferenceServerClient(served.grpc_url) as c, pytest.raises(InferenceServerException) as e:
+        c.infer("cancel", [t])
+    assert "cancel_token" in str(e.value) and "32 hex digits" in str(e.value)
+
+
 def test_a_client_that_gives_up_on_a_whole_response_frees_its_pages(served):
     """Not streamed: the frontend notices the closed connection while it waits.
 

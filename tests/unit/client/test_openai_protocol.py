@@ -185,7 +185,10 @@ class FakeBackend:
     async def ready(self):
         return True
 
-    async def generate(self, model, arrays, request_id="", outputs=None):
+    async def direct_route(self, model):
+        return model, None
+
+    async def generate(self, model, arrays, request_id="", outputs=None, cancel_model=None):
         self.requests.append(arrays)
         self.outputs = outputs
         for item in self.script(arrays):

@@ -21,7 +21,7 @@ from tandem.client.demo_checkpoint import CHECKPOINT_FILES, make_demo_checkpoint
 from tandem.backends.triton.generate_request import INPUT_NAMES, INPUTS, TOKEN_INPUT_NAMES
 from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES, TOKEN_OUTPUT_NAMES
 from tandem.client.serve.repository import MODEL_REPOSITORY, render_repository
-from tandem.client.serve.options import ENSEMBLES, MODES, ServeOptions, ServerError
+from tandem.client.serve.options import DIRECT, ENSEMBLES, MODES, ServeOptions, ServerError
 from tandem.client.serve.stubs import describe_exit, find_stubs, proc_state
 from tandem.client.serve.supervisor import RELOAD, RESTART, Recovery, Supervisor, SupervisorStatus, choose_action
 from tandem.client.serve.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
@@ -63,9 +63,10 @@ def test_rendered_repository_has_no_placeholders_left(tmp_path):
     assert (repo / "llm" / "1" / "model.py").is_file()
 
 
-@pytest.mark.parametrize("mode,ensembles", [("disaggregated", ("tandem", "tandem_tokens")),
-                                            ("colocated", ("tandem_colocated",)),
-                                            ("both", ("tandem", "tandem_tokens", "tandem_colocated"))])
+@pytest.mark.parametrize("mode,ensembles", [
+    ("disaggregated", ("tandem", "tandem_tokens", "tandem_direct")),
+    ("colocated", ("tandem_colocated", "tandem_colocated_direct")),
+    ("both", ("tandem", "tandem_tokens", "tandem_direct", "tandem_colocated", "tandem_colocated_direct"))])
 def test_mode_selects_the_models(tmp_path, mode, ensembles):
     options = ServeOptions.of(model_dir=str(tmp_path), mode=mode)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
@@ -73,9 +74,24 @@ def test_mode_selects_the_models(tmp_path, mode, ensembles):
     assert options.ensembles == ensembles
     for name in options.models:
         assert "${" not in (repo / name / "config.pbtxt").read_text()
-    # every step of a served ensemble is served too
+    # every step of a served ensemble is served too, and so is the cancel model of a direct one
     for name in ensembles:
         assert {step.model_name for step in _config(name).ensemble_scheduling.step} <= set(options.models)
+        assert name not in DIRECT.values() or "cancel" in options.models
+    assert {DIRECT[e] for e in ensembles if e in DIRECT} <= set(ensembles)
+
+
+def test_a_direct_ensemble_is_its_twin_without_postprocess():
+    """Same inputs, same steps up to the engine model, whose outputs it returns as they are."""
+    for full, direct in DIRECT.items():
+        f, d = _config(full), _config(direct)
+        assert [(i.name, i.data_type, i.optional) for i in d.input] == [(i.name, i.data_type, i.optional) for i in f.input]
+        f_steps, d_steps = f.ensemble_scheduling.step, d.ensemble_scheduling.step
+        assert [s.model_name for s in d_steps] == [s.model_name for s in f_steps][:-1]
+        assert f_steps[-1].model_name == "postprocess"
+        assert all(dict(a.input_map) == dict(b.input_map) for a, b in zip(d_steps, f_steps))
+        assert dict(d_steps[-1].output_map) == {o.name: o.name for o in d.output}
+        assert "cancel_token" in dict(d_steps[-1].output_map)
 
 
 @pytest.mark.parametrize("mode,target", [("disaggregated", "tandem"), ("colocated", "tandem_colocated"),
