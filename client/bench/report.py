@@ -48,14 +48,15 @@ def header(name: str, args: argparse.Namespace) -> dict:
 
 def command(name: str, args: argparse.Namespace) -> str:
     """The ``tandem bench`` command line that reproduces the run, every option spelt out
-    (a flag only when set; values quoted for the shell).
+    (a flag only when set; values quoted for the shell; ``_private`` values derived from
+    the options are not options).
 
     >>> command("load", argparse.Namespace(modes="colocated,conditional", keep_work=False, spec=""))
     "tandem bench load --modes colocated,conditional --spec ''"
     """
     options = []
     for k, v in vars(args).items():
-        if k in ("func", "command", "benchmark") or v is None or v is False:
+        if k in ("func", "command", "benchmark") or k.startswith("_") or v is None or v is False:
             continue
         option = f"--{k.replace('_', '-')}"
         options.append(option if v is True else f"{option} {shlex.quote(str(v))}")

@@ -262,9 +262,9 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
 async def _inputs(fe: Frontend, model: str, body, prompts: list[tuple[str, int]], max_tokens: int,
                   logprobs: bool) -> list[dict]:
     """The tensors of each choice (prompt, index among the prompt's n). Always streamed
-    from the ensemble, a whole response too: Triton 2.51 brings a client's cancellation
-    to the engine only through ``postprocess``, which sees a request's responses, so a
-    request answered once at its end could not be stopped when its client goes away."""
+    from the ensemble, a whole response too: a stream is what can be cancelled when the
+    client goes away (by its ``cancel_token``, or through the full ensemble's
+    ``postprocess``), a request answered once at its end could not be."""
     iface = await fe.backend.interface(model)
     if logprobs and LOG_PROBS_OUTPUT not in iface.outputs:
         raise invalid("logprobs", f"not supported by this server: ensemble {model!r} has no output "
