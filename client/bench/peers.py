@@ -45,11 +45,13 @@ from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/peers.json")
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SERVERS = ("vllm", "tandem")
+# tandem: `tandem serve` in --tandem-mode; tandem-colocated: --mode colocated beside it
+SERVERS = ("vllm", "tandem", "tandem-colocated")
+DEFAULT_SERVERS = "vllm,tandem"
+_TANDEMS = ("tandem", "tandem-colocated")
 # speculation each server offers here, and the group it is measured in
-METHODS = {"none": ("vllm", "tandem"), "ngram": ("vllm", "tandem"), "draft_model": ("vllm",),
-           "draft_target": ("tandem",), "mtp": ("tandem",),
-           "auto": ("tandem",)}
+METHODS = {"none": ("vllm", *_TANDEMS), "ngram": ("vllm", *_TANDEMS), "draft_model": ("vllm",),
+           "draft_target": _TANDEMS, "mtp": _TANDEMS, "auto": _TANDEMS}
 GROUP = {"none": "plain", "ngram": "ngram", "draft_model": "draft", "draft_target": "draft", "mtp": "draft",
          "auto": "auto"}
 KEYS = ("output_tok_s", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "ttft_cold_ms_p50", "ttft_warm_ms_p50",
@@ -69,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft checkpoint of vLLM's draft_model and Tandem's draft_target")
     p.add_argument("--dtype", type=dtype, default="auto",
                    help="auto (default): bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32")
-    p.add_argument("--servers", type=names(*SERVERS), default=",".join(SERVERS))
+    p.add_argument("--servers", type=names(*SERVERS), default=DEFAULT_SERVERS,
+                   help="of vllm, tandem (--tandem-mode), tandem-colocated (--mode colocated, to compare placements)")
     p.add_argument("--peers-only", action="store_true", help="measure vLLM only (same as --servers vllm)")
     p.add_argument("--methods", type=names(*METHODS), default=",".join(METHODS),
                    help="speculation, each on the servers that have it: none, ngram (both), "
@@ -146,7 +149,7 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
             run_dir = work / name
             run_dir.mkdir(parents=True, exist_ok=True)
             served = args._model_dir if args.model == "demo" else args.model
-            cmd, env = ps.tandem_command(served, port, args.dtype, method, args.k, args.tandem_mode,
+            cmd, env = ps.tandem_command(served, port, args.dtype, method, args.k, tandem_mode(server, args),
                                          run_dir), ps.tandem_env(tandem_path)
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
@@ -158,7 +161,16 @@ def served_name(cfg, args) -> str:
     """The model name a request names: vLLM serves ours as "tandem"; Tandem serves its
     mode's text ensemble (tandem_colocated with --tandem-mode colocated)."""
     from tandem.client.serve.options import TEXT_ENSEMBLE
-    return "tandem" if cfg[0] == "vllm" else TEXT_ENSEMBLE[args.tandem_mode]
+    return "tandem" if cfg[0] == "vllm" else TEXT_ENSEMBLE[tandem_mode(cfg[0], args)]
+
+
+def engine(server: str) -> str:
+    """The engine a server runs (both Tandem placements run Tandem's)."""
+    return "vllm" if server == "vllm" else "tandem"
+
+
+def tandem_mode(server: str, args) -> str:
+    return "colocated" if server == "tandem-colocated" else args.tandem_mode
 
 
 def model_dir(name: str) -> Path:
@@ -277,17 +289,17 @@ def offline_pair(args, servers: list[str], prompts: Prompts, concurrency: list[i
         template = ChatTemplate.for_checkpoint(args._model_dir)
         texts = [template.render([{"role": "user", "content": t}]) for t in texts]
     out = {}
-    for engine in servers:
-        python, env = (vllm_python, ps.vllm_env(args.vllm_kv_gib)) if engine == "vllm" else \
+    for name in dict.fromkeys(engine(s) for s in servers):
+        python, env = (vllm_python, ps.vllm_env(args.vllm_kv_gib)) if name == "vllm" else \
             (Path(sys.executable), ps.tandem_env(tandem_path))
-        print(f"offline: {engine}, batches {concurrency}", flush=True)
+        print(f"offline: {name}, batches {concurrency}", flush=True)
         try:
-            out[engine] = run_offline(engine, python, env, args._model_dir, args.dtype, texts, args.max_tokens,
-                                      concurrency)
+            out[name] = run_offline(name, python, env, args._model_dir, args.dtype, texts, args.max_tokens,
+                                    concurrency)
         except OfflineError as exc:
             print(f"  {exc}", flush=True)
             continue
-        print(f"  {engine}: " + ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in out[engine].items()), flush=True)
+        print(f"  {name}: " + ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in out[name].items()), flush=True)
     return out
 
 
@@ -467,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
     group_info: dict[str, dict] = {}
     with work_dir("tandem-bench-peers-", keep=args.keep_work) as work:
         tandem_path = None
-        if "tandem" in servers and args.tandem_code == "head":
+        if set(_TANDEMS) & set(servers) and args.tandem_code == "head":
             from tandem.client.bench.peer_servers import snapshot
             tandem_path = snapshot(work / "code")
         for group, members in groups(cfgs).items():
@@ -509,8 +521,8 @@ def run(args: argparse.Namespace) -> int:
     report["summary"] = aggregate(runs, concurrency)
     report["comparisons"] = comparisons(runs, concurrency)
     report["kept"] = {label(cfg): kept({str(c): report["summary"][label(cfg)][str(c)]["output_tok_s"].get("median")
-                                        for c in concurrency}, offline[cfg[0]])
-                      for cfg in runs if cfg[1] == "none" and cfg[0] in offline}
+                                        for c in concurrency}, offline[engine(cfg[0])])
+                      for cfg in runs if cfg[1] == "none" and engine(cfg[0]) in offline}
     report["cpu_us_per_token"] = cpu_summary(runs, concurrency)
     report["runs"] = {label(cfg): {str(c): v for c, v in per_c.items()} for cfg, per_c in runs.items()}
     write(report, args.out)
