@@ -38,8 +38,8 @@ def server(serve):
 def stop_removes_processes_and_the_shared_pool(server):
     """The teardown check of ``server``, after every test of the module that used it."""
     pid = server.process.pid
-    # preprocess, kv_transfer, prefill, decode, postprocess, llm
-    assert len(stub_processes(server.run_dir)) == 6
+    # preprocess, kv_transfer, prefill, decode, postprocess, llm, cancel
+    assert len(stub_processes(server.run_dir)) == 7
     server.stop()
     assert stub_processes(server.run_dir) == []
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-kv-{pid}-")]

@@ -42,7 +42,7 @@ def server(serve):
 def stop_leaves_no_process_behind(server):
     """The teardown check of ``server``, after every test of the module that used it."""
     pid = server.process.pid
-    assert len(stub_processes(server.run_dir)) == 3      # preprocess, llm, postprocess
+    assert len(stub_processes(server.run_dir)) == 4      # preprocess, llm, postprocess, cancel
     server.stop()
     assert stub_processes(server.run_dir) == []
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -189,7 +189,7 @@ def test_serve_announces_the_ensemble_under_the_tensorrt_llm_name(server):
     _, banner, run_dir = server
     assert any(line.split()[:3] == ["ensemble", MODEL, "="] and "tandem" in line for line in banner), banner
     assert any(line.split()[:2] == ["ensemble", "tandem"] for line in banner), banner
-    assert len(stub_processes(run_dir)) == 5    # one set of steps behind both names
+    assert len(stub_processes(run_dir)) == 6    # one set of steps behind both names, and cancel
 
 
 def test_the_ensemble_declares_every_tensor_the_client_sends(url):
