@@ -85,3 +85,45 @@ def test_auto_says_why_the_demo_head_is_skipped(api):
     _, output = api
     assert any("does not fit the target" in line and "drafting by prompt lookup only" in line
                for line in output), "".join(output)
+
+
+def varied_corpus(n: int = 10_500) -> list[str]:
+    """``n`` non-empty lines: Python source from the standard library (code), the
+    sentences of its documentation topics (prose), and words of many scripts, emoji,
+    symbols, digits and the model's special tokens, shuffled together (Unicode)."""
+    import random
+    import sysconfig
+    from pathlib import Path
+
+    from pydoc_data.topics import topics
+    rng = random.Random(11)
+    code = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        code += [line for line in f.read_text(errors="replace").splitlines() if line.strip()]
+        if len(code) >= n // 2:
+            break
+    prose = [s.strip() for t in topics.values() for s in t.split(". ") if len(s.split()) > 3][: n // 4]
+    words = ("naïve café Ελληνικά русский язык 中文字符 日本語の文 한국어 العربية हिन्दी עברית ไทย 🙂 👩‍💻 🇫🇷 ∑∫√ ½ "
+             "“quotes” — … © ™ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 <|im_end|> <|im_start|>user <|endoftext|> 12345 3.14159 \t  x²").split(" ")
+    unicode = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 14))) + rng.choice(["", " ", "\n", "  !"])
+               for _ in range(n - len(code[: n // 2]) - len(prose))]
+    lines = code[: n // 2] + prose + unicode
+    rng.shuffle(lines)
+    return lines
+
+
+def test_the_tokenizer_gives_transformers_ids_on_varied_text(gguf_file):
+    """The tokenizer built from the GGUF's tokenizer.ggml.* (the converted directory's)
+    encodes like transformers' own GGUF tokenizer, id for id, on 10,500 lines."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from tandem.backends.models.model_path import resolve_model_path
+    ours = Tokenizer.from_file(str(resolve_model_path(MODEL) / "tokenizer.json"))
+    theirs = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    lines = varied_corpus()
+    assert len(lines) >= 10_000
+    want = theirs(lines)["input_ids"]
+    got = [e.ids for e in ours.encode_batch(lines)]
+    mismatched = [(line, g, w) for line, g, w in zip(lines, got, want) if g != w]
+    assert not mismatched, f"{len(mismatched)} of {len(lines)} lines differ; first: {mismatched[0]}"
