@@ -11,8 +11,12 @@ A stream is cancelled in one of two ways:
   cancellation before the step began reaches the step after it, postprocess, with
   the first reply;
 - postprocess reports its cancel token (the client cancelled an ensemble, which
-  Triton does not pass on to the step in flight; see :mod:`.cancel_channel`):
-  :meth:`InFlight.cancel` by the stream's key, with ``notify=False``.
+  Triton does not pass on to the step in flight; see :mod:`.cancel_channel`), or a
+  client of a direct ensemble sends it to the ``cancel`` model:
+  :meth:`InFlight.cancel` by the stream's key, with ``notify=False``;
+- a client of the model itself sends TensorRT-LLM's stop request (``stop`` = true,
+  the request id of the stream to end; :meth:`InFlight.stop`): the stream ends with its
+  final flag, as a stopped TensorRT-LLM request does.
 
 Either way the engine aborts the sequence and the stream sends its final reply: a
 CANCELLED error to a client of the model itself, but the bare final flag to an
@@ -45,6 +49,7 @@ class _Entry:
     all_submitted: bool = False
     cancelled: bool = False
     ended: bool = False         # its unfinished sequences were aborted (once: the watcher may race)
+    request_id: str = ""        # the client's id (Triton's request id): what a stop request names
 
 
 class InFlight:
@@ -52,16 +57,28 @@ class InFlight:
         self._engine = engine
         self._poll_s = poll_s
         self._entries: dict[str, _Entry] = {}
+        self._by_request_id: dict[str, str] = {}   # a client's request id -> the key of its stream
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._watch, name="tandem-cancel-watch", daemon=True)
         self._thread.start()
 
-    def add(self, key: str, request, stream: ResponseStream, poll: bool = True) -> None:
+    def add(self, key: str, request, stream: ResponseStream, poll: bool = True, request_id: str = "") -> None:
         """Register a stream before its request is submitted; ``poll`` False: never ask its
-        request ``is_cancelled()`` (an ensemble step: cancelled through :meth:`cancel`)."""
+        request ``is_cancelled()`` (an ensemble step: cancelled through :meth:`cancel`);
+        ``request_id``: the client's id, which a stop request names (a later stream with
+        the same id takes it over)."""
         with self._cv:
-            self._entries[key] = _Entry(request, stream, poll)
+            self._entries[key] = _Entry(request, stream, poll, request_id=request_id)
+            if request_id:
+                self._by_request_id[request_id] = key
+
+    def stop(self, request_id: str) -> bool:
+        """TensorRT-LLM's stop request: end the stream the client sent as ``request_id``
+        (with the final flag); False when no such stream is in flight."""
+        with self._cv:
+            key = self._by_request_id.get(request_id)
+        return key is not None and self.cancel(key, notify=False)
 
     def started(self, key: str, rid: str, index: int = 0) -> None:
         """The engine accepted sequence ``index`` of the stream as ``rid``; aborted at
@@ -85,7 +102,7 @@ class InFlight:
                 return
             e.all_submitted = True
             if e.cancelled or e.stream.closed:
-                del self._entries[key]
+                self._forget(key)
 
     def ended(self, key: str) -> None:
         """The stream sent its final reply: forget it, and abort its sequences the
@@ -95,7 +112,7 @@ class InFlight:
             if e is None:
                 return
             if e.all_submitted:
-                del self._entries[key]
+                self._forget(key)
             if e.ended:     # the submitting thread and the watcher both saw it close
                 return
             e.ended = True
@@ -113,12 +130,17 @@ class InFlight:
             e.cancelled = True
             rids = list(e.rids.values())     # the others are aborted by started()
             if e.all_submitted:
-                del self._entries[key]
+                self._forget(key)
         if not e.stream.cancel(notify=notify):
             return False
         for rid in rids:
             self._engine.abort(rid)
         return True
+
+    def _forget(self, key: str) -> None:   # under the lock
+        e = self._entries.pop(key)
+        if e.request_id and self._by_request_id.get(e.request_id) == key:
+            del self._by_request_id[e.request_id]
 
     def __len__(self) -> int:
         with self._cv:
@@ -153,6 +175,7 @@ class InFlight:
             self._stopping = True
             entries = list(self._entries.values())
             self._entries.clear()
+            self._by_request_id.clear()
             self._cv.notify_all()
         for e in entries:
             if e.stream.fail(message, code="UNAVAILABLE"):

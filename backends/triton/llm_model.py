@@ -12,9 +12,11 @@ the ``pb_utils`` glue:
   once; the engine thread hands replies to a sender thread (:mod:`.reply_pump`),
   which merges a stream's steps while it is behind.
 - Cancellation: a client that calls this model directly is seen through
-  ``request.is_cancelled()``; a client that cancels an ensemble through
-  postprocess, which sends back the reply's ``cancel_token`` (:mod:`.cancel_channel`).
-  Either way the engine aborts the sequence and the stream ends (:mod:`.in_flight`).
+  ``request.is_cancelled()``, or sends TensorRT-LLM's stop request (``stop`` = true
+  with the request id of its stream); a client that cancels an ensemble through
+  postprocess, which sends back the reply's ``cancel_token`` (:mod:`.cancel_channel`),
+  or through the ``cancel`` model. Either way the engine aborts the sequence and the
+  stream ends (:mod:`.in_flight`).
 - ``finalize`` ends every open stream and shuts the engine down.
 """
 
@@ -45,6 +47,7 @@ from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+STOP = "stop"     # BOOL [1, 1]: TensorRT-LLM's stop request
 ENGINE_DIED_EXIT = 70     # EX_SOFTWARE: the stub's exit status when its engine thread died
 EXIT_GRACE_S = 0.5
 
@@ -133,6 +136,9 @@ class TritonPythonModel:
         get = input_getter(request)
 
         try:
+            if scalar(get, STOP):
+                self._stop(request, sender)
+                return
             parsed = parse_token_request(get, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             echo = scalar(get, PROMPT_ECHO)
         except RequestError as exc:
@@ -161,7 +167,7 @@ class TritonPythonModel:
 
         # before submit: the first reply already carries the token. Only the text ensembles
         # send prompt_echo; their postprocess carries the client's cancel (in_flight)
-        in_flight.add(key, request, stream, poll=echo is None)
+        in_flight.add(key, request, stream, poll=echo is None, request_id=request.request_id() or "")
         try:
             for index in range(parsed.num_return_sequences):
                 if index and stream.closed:     # a sibling failed, or the client cancelled
@@ -179,6 +185,17 @@ class TritonPythonModel:
                 in_flight.started(key, rid, index)
         finally:
             in_flight.submitted(key)
+
+    def _stop(self, request, sender) -> None:
+        """TensorRT-LLM's stop request: the stream sent with this request's id ends (its
+        final flag), and this request gets an empty final response."""
+        rid = request.request_id() or ""
+        if not rid:
+            _send_error(sender, f"{STOP}: a stop request needs the request id of the stream to stop")
+        elif not self.in_flight.stop(rid):
+            _send_error(sender, f"{STOP}: no stream with request id {rid!r} is in flight here")
+        else:
+            sender.send(flags=FINAL)
 
     def _refused(self, stream: ResponseStream, exc: Exception) -> None:
         from tandem.backends.engine.async_engine import EngineStopped

@@ -187,6 +187,40 @@ def test_cancelled_stream_is_aborted_and_server_stays_healthy(server, model):
     assert after[-1].final
 
 
+def test_tensorrt_llm_stop_request_ends_the_stream_it_names(server):
+    """TensorRT-LLM's stop convention (inflight_batcher_llm_client --stop-after-ms): on the
+    same gRPC stream, a second request with the first one's request id, ``stop`` = true and
+    empty input_ids; the first stream ends with its final response, the engine aborts the
+    sequence and frees its pages, the stop request gets an empty final response."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    aborted_before = metric(server, "tandem_requests_finished_total", "llm", reason="abort")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("llm", build_inputs([0, 412, 9, 77], max_tokens=2000, min_tokens=2000, stream=True),
+                              request_id="1", enable_empty_final_response=True)
+    for _ in range(2):
+        result, error = results.get(timeout=60)
+        assert error is None and not parse_response(result).final
+    ids = grpcclient.InferInput("input_ids", [1, 0], "INT32")
+    ids.set_data_from_numpy(np.zeros((1, 0), dtype=np.int32))
+    stop = grpcclient.InferInput("stop", [1, 1], "BOOL")
+    stop.set_data_from_numpy(np.array([[True]]))
+    client.async_stream_infer("llm", [ids, stop], request_id="1", enable_empty_final_response=True)
+    finals = 0
+    while finals < 2:                 # the stopped stream's and the stop request's
+        result, error = results.get(timeout=60)
+        assert error is None, error
+        finals += parse_response(result).final
+    client.stop_stream()
+    client.close()
+    metric_reaches(server, "tandem_requests_finished_total", "llm", aborted_before + 1, reason="abort",
+                   failing="the stopped request was not aborted in the engine")
+    assert metric(server, "tandem_requests_in_engine", "llm") == 0
+
+
 def test_concurrent_streams_each_get_their_own_tokens(server, reference):
     import tritonclient.grpc as grpcclient
 

@@ -148,7 +148,7 @@ def _config(name: str):
     ("tandem", INPUT_NAMES, OUTPUT_NAMES),
     ("tandem_colocated", INPUT_NAMES, OUTPUT_NAMES),
     ("tandem_tokens", TOKEN_INPUT_NAMES, TOKEN_OUTPUT_NAMES),
-    ("llm", (*TOKEN_INPUT_NAMES, "prompt_echo"), (*ENGINE_OUTPUT_NAMES, "cancel_token", "prompt_echo")),
+    ("llm", (*TOKEN_INPUT_NAMES, "stop", "prompt_echo"), (*ENGINE_OUTPUT_NAMES, "cancel_token", "prompt_echo")),
     ("preprocess", INPUT_NAMES, ("input_ids", "prompt_echo")),
     ("kv_transfer", TOKEN_INPUT_NAMES, ("kv_descriptor",)),
 ])

@@ -76,10 +76,14 @@ class SlowSender(Sender):
 
 
 class Request:
-    def __init__(self, **inputs):
+    def __init__(self, request_id: str = "", **inputs):
         self.inputs = {k: Tensor(k, v) for k, v in inputs.items()}
         self.sender = Sender()
         self.cancelled = False
+        self.id = request_id
+
+    def request_id(self):
+        return self.id
 
     def get_response_sender(self):
         return self.sender

@@ -41,7 +41,9 @@ def arrays(**extra):
         elif k == "embedding_bias_weights":
             out[k] = np.array([list(v)], dtype=np.float32)
         elif k == "input_ids":
-            out[k] = np.array([list(v)], dtype=np.int32)
+            out[k] = np.array([list(v)], dtype=np.int32).reshape(1, len(v))
+        elif k == "stop":
+            out[k] = np.array([[v]], dtype=np.bool_)
         elif k in ("text_input", "text_output", "finish_reason", "cancel_token", "prompt_echo"):
             out[k] = np.array([[v if isinstance(v, bytes) else v.encode()]], dtype=object)
         elif k in ("num_input_tokens", "num_output_tokens"):
@@ -57,8 +59,8 @@ def arrays(**extra):
     return out
 
 
-def token_request(ids=(5, 6, 7), **extra):
-    return Request(**arrays(input_ids=ids, **extra))
+def token_request(ids=(5, 6, 7), request_id: str = "", **extra):
+    return Request(request_id, **arrays(input_ids=ids, **extra))
 
 
 def outputs(sender):

@@ -186,6 +186,31 @@ def test_cancelled_request_gets_final_and_is_aborted(model):
     assert metric("tandem_requests_in_engine") == 0
 
 
+def test_a_stop_request_ends_the_stream_with_its_request_id(model):
+    """TensorRT-LLM's stop convention: a second request with ``stop`` = true and the same
+    request id (its input_ids empty, as inflight_batcher_llm_client sends it) ends the
+    first stream with its final flag and the engine aborts the sequence; the stop request
+    gets an empty final response. A stop naming no stream in flight is an error."""
+    engine = FakeEngine.instances[-1]
+    request = token_request(stream=True, max_tokens=50, request_id="42")
+    model.execute([request])
+    _, _, on_output = engine.submitted[0]
+    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
+                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    stop = token_request(ids=(), stop=True, request_id="42")
+    model.execute([stop])
+    assert engine.aborted == ["req-0"] and stop.sender.final and stop.sender.sent[-1][0] is None
+    assert model.replies.flush() and request.sender.final
+    assert request.sender.sent[-1][0] is None or request.sender.sent[-1][0].error is None   # ended, not failed
+    assert texts(request.sender) == [" a"]
+    again = token_request(ids=(), stop=True, request_id="42")
+    model.execute([again])
+    assert "no stream with request id '42'" in the_error(again.sender).message()
+    anonymous = token_request(ids=(), stop=True)
+    model.execute([anonymous])
+    assert "request id" in the_error(anonymous.sender).message()
+
+
 def test_an_ensemble_step_is_not_polled_for_cancellation(model):
     """Triton never cancels an ensemble step in flight: a text ensemble's step (it carries
     prompt_echo) is not asked is_cancelled(); a direct client's request is."""
