@@ -38,10 +38,16 @@ MTP_ARCHITECTURE = "TandemMTPHead"
 
 
 class MTPHead(nn.Module):
+    """``intermediate_size``: the head's MLP width (default the target's; a narrower one
+    makes a smaller checkpoint, e.g. checkpoints/smollm2/mtp)."""
+
     def __init__(self, target_cfg: ModelConfig, use_norms: bool = True,
-                 fuse_layers: tuple[int, ...] | None = None):
+                 fuse_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None):
         super().__init__()
-        self.config = dataclasses.replace(target_cfg, num_hidden_layers=1)
+        self.config = dataclasses.replace(target_cfg, num_hidden_layers=1,
+                                          intermediate_size=intermediate_size
+                                          or target_cfg.intermediate_size)
+        self.narrow_mlp = self.config.intermediate_size != target_cfg.intermediate_size
         self.use_norms = use_norms
         self.fuse_layers = check_fuse_layers(fuse_layers, target_cfg.num_hidden_layers)
         h = target_cfg.hidden_size
@@ -105,6 +111,8 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path, dtype: torch.dtype = torch
            "torch_dtype": str(dtype).removeprefix("torch."), **(extra or {})}
     if head.fuse_layers is not None:      # absent: the plain head (old checkpoints load as before)
         cfg["fuse_layers"] = list(head.fuse_layers)
+    if head.narrow_mlp:                   # absent: the target's MLP width
+        cfg["intermediate_size"] = head.config.intermediate_size
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file({k: v.to(dtype).contiguous() for k, v in head.state_dict().items()},
               str(out / "model.safetensors"))
@@ -125,7 +133,8 @@ def load_mtp_head(head_dir: str | Path, target: LlamaForCausalLM) -> MTPHead:
                          f"{cfg['vocab_size']}; the target has {target.config.hidden_size}, "
                          f"{target.config.vocab_size}")
     w = target.embed_tokens.weight
-    head = MTPHead(target.config, use_norms=cfg["use_norms"], fuse_layers=cfg.get("fuse_layers"))
+    head = MTPHead(target.config, use_norms=cfg["use_norms"], fuse_layers=cfg.get("fuse_layers"),
+                   intermediate_size=cfg.get("intermediate_size"))
     state = load_file(str(head_dir / "model.safetensors"))
     head.load_state_dict(state)
     # the head runs in the target's dtype and on its device (load_state_dict keeps fp32 params)

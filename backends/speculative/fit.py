@@ -10,6 +10,9 @@ loads.
 'it was trained for hidden 384, vocab 4096; the target has hidden 576, vocab 49152'
 >>> proposer_misfit({"hidden_size": 192, "vocab_size": 4096}, {"hidden_size": 384, "vocab_size": 4096})
 ''
+
+A target's default proposer is the first of several checkpoints that fits it
+(:func:`first_fitting`): the SmolLM2 head for SmolLM2, the demo's head for the demo target.
 """
 from __future__ import annotations
 
@@ -44,3 +47,22 @@ def checkpoint_misfit(proposer_dir: str | Path, target_dir: str | Path) -> str:
     except (OSError, ValueError) as e:
         return f"{path} cannot be read ({e})"
     return proposer_misfit(proposer, target)
+
+
+def first_fitting(candidates, target_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The first of ``candidates`` (proposer checkpoint directories, in order of preference)
+    that fits the target, or None; and each one passed over with why (:func:`checkpoint_misfit`:
+    a missing checkpoint is passed over too). A target whose config.json cannot be read is
+    not judged here: the last candidate (the general default) is returned for it."""
+    candidates = [Path(c) for c in candidates]
+    try:
+        json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return candidates[-1], []
+    skipped = []
+    for candidate in candidates:
+        misfit = checkpoint_misfit(candidate, target_dir)
+        if not misfit:
+            return candidate, skipped
+        skipped.append((candidate, misfit))
+    return None, skipped

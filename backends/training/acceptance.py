@@ -42,8 +42,9 @@ from .hidden_states import target_fingerprint
 log = logging.getLogger("tandem.train")
 
 
-def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int,
+           ignore_eos: bool = True) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -95,8 +96,10 @@ def evaluate_proposers(target_dir: str | Path, proposers: dict[str, tuple[str, s
                        ks: tuple[int, ...] = (1, 2, 3, 4), num_prompts: int = 48,
                        new_tokens: int = 64, max_prompt_tokens: int = 256,
                        dtype: str = "bfloat16", device: str = "cpu",
-                       prompts_path: str | Path | None = None) -> dict:
-    """``proposers``: name -> (method, checkpoint dir), method "draft_target" or "mtp"."""
+                       prompts_path: str | Path | None = None, stop_at_eos: bool = False) -> dict:
+    """``proposers``: name -> (method, checkpoint dir), method "draft_target" or "mtp".
+    ``stop_at_eos``: continuations end at the target's EOS (a chat answer), so nothing the
+    target writes after its answer is counted; by default every row has ``new_tokens``."""
     target_dir = Path(target_dir)
     prompts_path = Path(prompts_path or target_dir / "prompts.json")
     if not prompts_path.is_file():
@@ -105,12 +108,13 @@ def evaluate_proposers(target_dir: str | Path, proposers: dict[str, tuple[str, s
                                   max_prompt_tokens)
     common = dict(dtype=dtype, device=device, max_num_seqs=len(prompts))
     t0 = time.monotonic()
-    reference = greedy(LLM(str(target_dir), **common), prompts, new_tokens)
+    reference = greedy(LLM(str(target_dir), **common), prompts, new_tokens, not stop_at_eos)
     log.info("greedy reference: %d prompts x %d tokens in %.0f s", len(prompts), new_tokens,
              time.monotonic() - t0)
     report = {"target": str(target_dir), "dtype": dtype, "device": device,
               "threads": torch.get_num_threads(), "prompts": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
+              "stop_at_eos": stop_at_eos, "continuation_tokens": sum(map(len, reference)),
               "prompts_path": str(prompts_path), "proposers": {}}
     for name, (method, path) in proposers.items():
         key = "draft_model" if method == "draft_target" else "mtp_head"
@@ -129,7 +133,7 @@ def evaluate_proposers(target_dir: str | Path, proposers: dict[str, tuple[str, s
                             "with `tandem train mtp --target %s ...`", name, trained_for, target_dir)
         for k in ks:
             engine_llm = llm(k)
-            out = greedy(engine_llm, prompts, new_tokens)
+            out = greedy(engine_llm, prompts, new_tokens, not stop_at_eos)
             m = engine_llm.engine.spec_metrics.as_dict()
             m["identical_to_plain"] = sum(o == r for o, r in zip(out, reference)) / len(out)
             row["k"][k] = m
@@ -146,7 +150,10 @@ def format_report(report: dict) -> str:
     ks = sorted({k for r in report["proposers"].values() for k in r["k"]}, key=int)
     head = ("| proposer | top-1 (continuation) | top-1 (prompt) | "
             + " | ".join(f"k={k}: acc. rate / mean acc. length" for k in ks) + " |")
-    lines = [f"{report['prompts']} held-out prompts, {report['new_tokens']} greedy tokens each, "
+    each = (f"up to {report['new_tokens']} greedy tokens each (to EOS; "
+            f"{report['continuation_tokens']} in all)" if report.get("stop_at_eos")
+            else f"{report['new_tokens']} greedy tokens each")
+    lines = [f"{report['prompts']} held-out prompts, {each}, "
              f"target `{report['target']}` ({report['dtype']}, {report['device']}, "
              f"{report['threads']} thread(s)); measured through the engine.", "", head,
              "|" + "---|" * (3 + len(ks))]

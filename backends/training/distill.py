@@ -36,12 +36,13 @@ from pathlib import Path
 
 import torch
 
-from .hidden_states import target_fingerprint
+from .hidden_states import pick_forward, target_fingerprint
 from .loop import config_section, replacing_dir
 
 log = logging.getLogger("tandem.train")
 ROWS_FILE = "distill.pt"
 CONFIG_NAME = "distill-data config"
+FORWARDS = ("auto", "engine", "paged", "dense")   # paged: the engine (as hidden states say it)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,9 @@ class DistillDataConfig:
     batch: int = 128                    # sequences the engine runs at once
     dtype: str = "bfloat16"
     seed: int = 0
+    stop_at_eos: bool = False           # a row ends at the target's EOS (chat answers)
+    generator: str = "auto"             # engine, dense (.dense_generate), auto (dense on CUDA
+                                        # without FlashInfer)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DistillDataConfig":
@@ -67,6 +71,9 @@ class DistillDataConfig:
         if cfg.new_tokens < 1 or not cfg.temperatures or min(cfg.temperatures) < 0:
             raise ValueError(f"{CONFIG_NAME}: need new_tokens >= 1 and temperatures >= 0 "
                              f"(got {cfg.new_tokens}, {cfg.temperatures})")
+        if cfg.generator not in FORWARDS:
+            raise ValueError(f"{CONFIG_NAME}: generator {cfg.generator!r} is invalid; allowed: "
+                             "auto, engine, dense")
         if not 0.0 <= cfg.header_fraction <= 1.0:
             raise ValueError(f"{CONFIG_NAME}: header_fraction {cfg.header_fraction} is not in [0, 1]")
         return cfg
@@ -159,16 +166,17 @@ def cycle_temperatures(n: int, temperatures: list[float]) -> list[float]:
 
 
 def generate(llm, prompts: list[list[int]], temperatures: list[float], new_tokens: int,
-             top_p: float, seed: int, batch: int) -> list[list[int]]:
+             top_p: float, seed: int, batch: int, ignore_eos: bool = True) -> list[list[int]]:
     """The engine's continuations of ``prompts`` (``new_tokens`` each, EOS ignored so
-    every row has the same number of generated tokens); sampled rows are seeded."""
+    every row has the same number of generated tokens, unless ``ignore_eos`` is False);
+    sampled rows are seeded."""
     from ..engine.params import SamplingParams
     out: list[list[int]] = []
     t0 = time.monotonic()
     for a in range(0, len(prompts), batch):
         params = [SamplingParams(max_tokens=new_tokens, temperature=t, top_p=top_p,
                                  seed=None if t == 0 else seed * 1_000_003 + a + i,
-                                 ignore_eos=True)
+                                 ignore_eos=ignore_eos)
                   for i, t in enumerate(temperatures[a:a + batch])]
         out += [o.token_ids for o in llm.generate(prompts[a:a + batch], params)]
         log.info("distill-data: %d/%d prompts continued (%.0f generated tok/s)", len(out),
@@ -182,14 +190,10 @@ def build_distill_data(target_dir: str | Path, train: torch.Tensor, validation: 
     """Generate the rows (train from ``train``'s windows and, with ``corpus``, its
     training files' headers; validation from ``validation``'s windows) and write
     ``out_dir``. Returns the summary written to ``distill.json``."""
-    from ..engine.llm import LLM
-    from .tokenizer import TOKENIZER_FILES
-    target_dir = Path(target_dir)
-    llm = LLM(str(target_dir), dtype=cfg.dtype, device=device, max_num_seqs=cfg.batch,
-              max_num_batched_tokens=max(2048, cfg.max_prompt_tokens), enforce_eager=True,
-              enable_prefix_caching=False)
+    from ..models.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(target_dir)
     n_headers = round(cfg.num_prompts * cfg.header_fraction) if corpus is not None else 0
-    prompts = (header_prompts(corpus.train, llm.tokenizer, n_headers, cfg.min_prompt_tokens,
+    prompts = (header_prompts(corpus.train, tokenizer, n_headers, cfg.min_prompt_tokens,
                               cfg.max_prompt_tokens, cfg.seed) if n_headers else [])
     prompts += window_prompts(train, cfg.num_prompts - len(prompts), cfg.min_prompt_tokens,
                               cfg.max_prompt_tokens, cfg.seed)
@@ -198,19 +202,33 @@ def build_distill_data(target_dir: str | Path, train: torch.Tensor, validation: 
     prompts = [prompts[i] for i in order.tolist()]
     val_prompts = window_prompts(validation, cfg.val_prompts, cfg.min_prompt_tokens,
                                  min(cfg.max_prompt_tokens, validation.numel() - 1), cfg.seed + 2)
-    pad = llm.tokenizer.token_to_id("<pad>")
-    pad = 0 if pad is None else pad
+    return continue_and_write(target_dir, {"train": prompts, "validation": val_prompts},
+                              out_dir, cfg, device, command, {"header_prompts": n_headers})
+
+
+def continue_and_write(target_dir: str | Path, prompts: dict[str, list[list[int]]],
+                       out_dir: str | Path, cfg: DistillDataConfig, device: str = "cpu",
+                       command: str | None = None, extra: dict | None = None) -> dict:
+    """The target's continuations of each split's token-id ``prompts`` (``train``,
+    ``validation``) packed into rows and written to ``out_dir`` (``distill.pt``,
+    ``tokens.pt``, the tokenizer, ``distill.json``: the summary, with ``extra``), by the
+    engine or the dense generator (``cfg.generator``). Returns the summary."""
+    from .tokenizer import TOKENIZER_FILES
+    target_dir = Path(target_dir)
+    generator = pick_forward("paged" if cfg.generator == "engine" else cfg.generator, device)
+    continue_split, pad = _continuer(target_dir, cfg, device, generator)
     t0 = time.monotonic()
     splits = {}
-    for name, ps in (("train", prompts), ("validation", val_prompts)):
+    for name, ps in prompts.items():
         temps = cycle_temperatures(len(ps), cfg.temperatures)
-        cont = generate(llm, ps, temps, cfg.new_tokens, cfg.top_p, cfg.seed, cfg.batch)
-        splits[name] = pack_rows(ps, cont, temps, pad, cfg.width)
+        splits[name] = pack_rows(ps, continue_split(ps, temps), temps, pad, cfg.width)
     wall = time.monotonic() - t0
     summary = {"target": str(target_dir), "target_fingerprint": target_fingerprint(target_dir),
-               "config": asdict(cfg), "command": command, "header_prompts": n_headers,
+               "config": asdict(cfg), "command": command, **(extra or {}),
+               "generator": "engine" if generator == "paged" else generator,
                "rows": {k: len(v) for k, v in splits.items()},
-               "generated_tokens": {k: len(v) * cfg.new_tokens for k, v in splits.items()},
+               "generated_tokens": {k: int((v.lengths - v.prompt_lens).sum())
+                                    for k, v in splits.items()},
                "stream_tokens": {k: int(v.lengths.sum()) for k, v in splits.items()},
                "width": cfg.width, "wall_time_s": round(wall, 1),
                "threads": torch.get_num_threads(), "device": device}
@@ -226,6 +244,28 @@ def build_distill_data(target_dir: str | Path, train: torch.Tensor, validation: 
              len(splits["train"]), len(splits["validation"]),
              sum(summary["generated_tokens"].values()), wall, out_dir)
     return summary
+
+
+def _continuer(target_dir: Path, cfg: DistillDataConfig, device: str, generator: str):
+    """(continue(prompts, temperatures) -> continuations, the pad id) by the engine
+    (``paged``) or the dense generator."""
+    from ..models.tokenizer import generation_eos_ids, load_tokenizer
+    tokenizer = load_tokenizer(target_dir)
+    pad = tokenizer.token_to_id("<pad>") if tokenizer is not None else None
+    pad = 0 if pad is None else pad
+    if generator == "dense":
+        from ..models import load_model
+        from .dense_generate import generate_dense
+        model = load_model(target_dir, cfg.dtype, device)
+        eos = (generation_eos_ids(target_dir) or (None,))[0] if cfg.stop_at_eos else None
+        return (lambda ps, temps: generate_dense(model, ps, temps, cfg.new_tokens, eos, cfg.seed,
+                                                 cfg.batch, pad)), pad
+    from ..engine.llm import LLM
+    llm = LLM(str(target_dir), dtype=cfg.dtype, device=device, max_num_seqs=cfg.batch,
+              max_num_batched_tokens=max(2048, cfg.max_prompt_tokens), enforce_eager=True,
+              enable_prefix_caching=False)
+    return (lambda ps, temps: generate(llm, ps, temps, cfg.new_tokens, cfg.top_p, cfg.seed,
+                                       cfg.batch, not cfg.stop_at_eos)), pad
 
 
 def load_distill_rows(path: str | Path, target_dir: str | Path | None = None

@@ -29,7 +29,7 @@ import torch
 
 from ..engine.model_runner import ForwardBatch, ModelRunner
 from ..kv_cache import KVPagePool, pages_needed
-from ..models import LlamaForCausalLM, load_model
+from ..models import LlamaForCausalLM, forward_dense, load_model
 
 log = logging.getLogger("tandem.train")
 
@@ -106,21 +106,48 @@ def recording_layer_outputs(target: LlamaForCausalLM, layers: tuple[int, ...]):
             h.remove()
 
 
+FORWARDS = ("auto", "paged", "dense")
+
+
+def pick_forward(forward: str, device: str | torch.device) -> str:
+    """``auto``: the engine's paged forward, except on CUDA without FlashInfer (the paged
+    path's kernels there), where the dense training forward of the same model runs.
+
+    >>> pick_forward("auto", "cpu"), pick_forward("dense", "cpu")
+    ('paged', 'dense')
+    """
+    if forward not in FORWARDS:
+        raise ValueError(f"forward {forward!r} is invalid; allowed: {', '.join(FORWARDS)}")
+    if forward != "auto":
+        return forward
+    from ..attention import flashinfer_impl
+    return "dense" if torch.device(device).type == "cuda" and not flashinfer_impl.available() \
+        else "paged"
+
+
 @torch.no_grad()   # not inference_mode: the result is a training input
 def compute_hidden_states(target: LlamaForCausalLM, windows: torch.Tensor,
                           batch_windows: int = 8, page_size: int = 16,
-                          fuse_layers: tuple[int, ...] | None = None
+                          fuse_layers: tuple[int, ...] | None = None, forward: str = "paged"
                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n, W, H] hidden states of ``windows`` [n, W] through ModelRunner's paged prefill
-    (FlashInfer-shaped wrappers; FlashInfer itself on CUDA), returned on the CPU; with
-    ``fuse_layers`` also those layers' outputs concatenated, [n, W, k*H] (the pair)."""
+    (FlashInfer-shaped wrappers; FlashInfer itself on CUDA), or with ``forward="dense"``
+    the model's dense causal forward (right-padded windows: the padding is after every
+    real token), returned on the CPU; with ``fuse_layers`` also those layers' outputs
+    concatenated, [n, W, k*H] (the pair)."""
     cfg, w = target.config, target.embed_tokens.weight
     n, width = windows.shape
     h = cfg.hidden_size
-    per_window = pages_needed(width, page_size)
-    pool = KVPagePool.for_model(cfg, batch_windows * per_window, page_size, w.dtype, "HND",
-                                w.device)
-    runner = ModelRunner(target, pool)
+    if forward == "dense":
+        batch_windows = max(batch_windows, 32)   # no pages to size: fewer, larger forwards
+        run = lambda chunk, pages: forward_dense(target, chunk).flatten(0, 1)  # noqa: E731
+    else:
+        per_window = pages_needed(width, page_size)
+        pool = KVPagePool.for_model(cfg, batch_windows * per_window, page_size, w.dtype, "HND",
+                                    w.device)
+        runner = ModelRunner(target, pool)
+        run = lambda chunk, pages: runner.forward(  # noqa: E731
+            ForwardBatch(chunk.tolist(), [0] * len(chunk), pages))[1]
     layers = tuple(fuse_layers or ())
     features = torch.empty(n, width, len(layers) * h, dtype=w.dtype) if layers else None
     last = cfg.num_hidden_layers - 1
@@ -130,8 +157,9 @@ def compute_hidden_states(target: LlamaForCausalLM, windows: torch.Tensor,
     with recording_layer_outputs(target, layers) as recorded:
         for a in range(0, n, batch_windows):
             chunk = windows[a:a + batch_windows]
-            pages = [list(range(i * per_window, (i + 1) * per_window)) for i in range(len(chunk))]
-            _, hidden = runner.forward(ForwardBatch(chunk.tolist(), [0] * len(chunk), pages))
+            pages = None if forward == "dense" else \
+                [list(range(i * per_window, (i + 1) * per_window)) for i in range(len(chunk))]
+            hidden = run(chunk, pages)
             if features is not None:
                 features[a:a + len(chunk)] = torch.cat(recorded, -1).view(
                     len(chunk), width, -1).cpu()
@@ -155,16 +183,20 @@ def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: st
                     dtype: str = "bfloat16", device: str = "cpu",
                     target: LlamaForCausalLM | None = None,
                     lengths: torch.Tensor | None = None,
-                    fuse_layers: tuple[int, ...] | None = None) -> HiddenStates:
+                    fuse_layers: tuple[int, ...] | None = None,
+                    forward: str = "paged") -> HiddenStates:
     """Hidden states of ``windows`` from the cache, or computed (and cached) when the
     target's weights, the windows or the dtype changed; ``lengths``: of right-padded
     windows (self-distillation rows), kept with them; ``fuse_layers``: with those layers'
-    outputs as ``features`` (a separate cache entry)."""
+    outputs as ``features`` (a separate cache entry); ``forward``: ``paged`` (the engine's)
+    or ``dense`` (:func:`compute_hidden_states`), part of the cache key."""
     key = hashlib.sha256()
     key.update(target_fingerprint(target_dir).encode())
     key.update(f"{dtype}:{tuple(windows.shape)}".encode())
     key.update(windows.to(torch.int32).numpy().tobytes())
     prefix = "hidden"
+    if forward != "paged":
+        key.update(f"forward:{forward}".encode())
     if fuse_layers is not None:
         key.update(f"fuse_layers:{tuple(fuse_layers)}".encode())
         prefix = "fused"
@@ -176,12 +208,13 @@ def load_or_compute(target_dir: str | Path, windows: torch.Tensor, cache_dir: st
         target = load_model(target_dir, dtype, device)
     t0 = time.monotonic()
     result = compute_hidden_states(target, windows.to(target.embed_tokens.weight.device),
-                                   fuse_layers=fuse_layers)
+                                   fuse_layers=fuse_layers, forward=forward)
     saved = result if fuse_layers is None else _fused_file(*result, target, fuse_layers)
     size = sum(t.numel() * t.element_size() for t in
                ([saved] if fuse_layers is None else saved.values()))
-    log.info("hidden states: %d windows x %d tokens through the engine's paged forward in %.0f s "
-             "(%s, %.0f MB%s) -> %s", *windows.shape, time.monotonic() - t0, dtype, size / 1e6,
+    log.info("hidden states: %d windows x %d tokens through the %s forward in %.0f s "
+             "(%s, %.0f MB%s) -> %s", *windows.shape,
+             "engine's paged" if forward == "paged" else "dense", time.monotonic() - t0, dtype, size / 1e6,
              "" if fuse_layers is None else f", layers {list(fuse_layers)}", path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

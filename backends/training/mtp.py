@@ -51,8 +51,8 @@ from ..models import LlamaForCausalLM, load_model
 from ..models.mtp import MTPHead, save_mtp_head
 from .data import batch_generator, on_distill_rows
 from .distill import DistillRows
-from .hidden_states import (HiddenStates, first_windows, load_or_compute, target_fingerprint,
-                            train_windows)
+from .hidden_states import (FORWARDS, HiddenStates, first_windows, load_or_compute, pick_forward,
+                            target_fingerprint, train_windows)
 from .lm import init_weights
 from .loop import (OptimConfig, StateFile, adamw, autocast, config_section, replacing_dir,
                    run_training)
@@ -75,6 +75,9 @@ class MTPConfig:
     distill_fraction: float = 1.0   # with --distill-data: share of steps on its rows (the rest
                                     # on num_windows windows of the corpus stream)
     fuse_layers: list[int] | None = None  # EAGLE-3-style fused input (None: h_i, the plain head)
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
+    hidden_forward: str = "auto"    # target forward of the hidden states: paged (the engine's),
+                                    # dense, auto (dense on CUDA without FlashInfer)
 
 
 @dataclass(slots=True)
@@ -99,6 +102,9 @@ class MTPTrainConfig:
             raise ValueError(f"mtp.ce_labels {cfg.mtp.ce_labels!r} is invalid; allowed: target, data")
         if cfg.mtp.unroll < 1:
             raise ValueError(f"mtp.unroll {cfg.mtp.unroll} is invalid; allowed: >= 1")
+        if cfg.mtp.hidden_forward not in FORWARDS:
+            raise ValueError(f"mtp.hidden_forward {cfg.mtp.hidden_forward!r} is invalid; allowed: "
+                             f"{', '.join(FORWARDS)}")
         if cfg.mtp.fuse_layers is not None and not isinstance(cfg.mtp.fuse_layers, list):
             raise ValueError(f"mtp.fuse_layers {cfg.mtp.fuse_layers!r} is invalid; allowed: a "
                              "list of target layer indices, e.g. [1, 3, 5], or absent")
@@ -369,7 +375,8 @@ def train_mtp(cfg: MTPTrainConfig, target_dir: str | Path, data: TokenStreams,
                                                                device, distill)
     target = load_model(target_dir, "float32", device)     # frozen: embeddings, norm, lm_head
     torch.manual_seed(o.seed)
-    head = MTPHead(target.config, use_norms=m.use_norms, fuse_layers=m.fuse_layers).to(device)
+    head = MTPHead(target.config, use_norms=m.use_norms, fuse_layers=m.fuse_layers,
+                   intermediate_size=m.intermediate_size).to(device)
     init_weights(head, o.init_std)
     if cfg.init_from is not None:
         load_head_weights(head, cfg.init_from, target_dir)
@@ -465,24 +472,27 @@ def target_hidden_states(cfg: MTPTrainConfig, target_dir: str | Path, data: Toke
             raise ValueError(f"--data: {name} token ids reach {int(s.max())}, outside the "
                              f"target's vocabulary 0..{vocab - 1}; tokenize with its tokenizer")
     fuse = None if m.fuse_layers is None else tuple(m.fuse_layers)
+    forward = pick_forward(m.hidden_forward, device)
     train_hs = distill_hs = None
     if distill is None or (m.distill_fraction < 1.0 and m.num_windows > 0):
         train_hs = load_or_compute(target_dir, train_windows(data.train, m.num_windows, width,
                                                              o.seed),
-                                   cache, m.hidden_dtype, device, serving, fuse_layers=fuse)
+                                   cache, m.hidden_dtype, device, serving, fuse_layers=fuse,
+                                   forward=forward)
     if distill is None:
         val_hs = load_or_compute(target_dir, first_windows(data.validation, o.eval_windows, width),
-                                 cache, m.hidden_dtype, device, serving, fuse_layers=fuse)
+                                 cache, m.hidden_dtype, device, serving, fuse_layers=fuse,
+                                 forward=forward)
         return train_hs, None, val_hs, width
     rows, val_rows = distill["train"], distill["validation"]
     if rows.windows.shape[1] > serving.config.max_position_embeddings:
         raise ValueError(f"--distill-data: rows of {rows.windows.shape[1]} tokens exceed the "
                          f"target's {serving.config.max_position_embeddings} positions")
     distill_hs = load_or_compute(target_dir, rows.windows, cache, m.hidden_dtype, device,
-                                 serving, rows.lengths, fuse)
+                                 serving, rows.lengths, fuse, forward)
     n_val = min(o.eval_windows, len(val_rows))
     val_hs = load_or_compute(target_dir, val_rows.windows[:n_val], cache, m.hidden_dtype,
-                             device, serving, val_rows.lengths[:n_val], fuse)
+                             device, serving, val_rows.lengths[:n_val], fuse, forward)
     return train_hs, distill_hs, val_hs, width
 
 

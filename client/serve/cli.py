@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.backends.speculative.config import AUTO, METHODS, SpeculativeConfig
-from tandem.backends.speculative.fit import checkpoint_misfit
+from tandem.backends.speculative.fit import first_fitting
 from tandem.backends.triton.settings import EngineSettings
 
 from tandem.client.serve import env_defaults, flags
-from tandem.client.paths import DEMO_CHECKPOINTS, DEMO_MODEL
+from tandem.client.paths import DEFAULT_PROPOSERS, DEMO_CHECKPOINTS, DEMO_MODEL
 from tandem.client.serve.options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
 from tandem.client.openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from tandem.client.openai.frontend import FrontendError, start_for
@@ -146,10 +146,11 @@ def _check_speculation(args: argparse.Namespace, given: Callable[[str], str]) ->
     if method not in PROPOSERS:
         return
     option, name, demo = PROPOSERS[method]
-    checkpoint = Path(getattr(args, name) or DEMO_CHECKPOINTS / demo)
     target = DEMO_CHECKPOINTS / "target" if args.model_dir in ("", DEMO_MODEL) else args.model_dir
-    if args.spec_method == AUTO and not getattr(args, name) and checkpoint_misfit(checkpoint, target):
+    fitting = None if getattr(args, name) else first_fitting(DEFAULT_PROPOSERS[name], target)[0]
+    if args.spec_method == AUTO and not getattr(args, name) and fitting is None:
         return   # auto skips a default proposer that does not fit the target (said at start)
+    checkpoint = Path(getattr(args, name) or fitting or DEMO_CHECKPOINTS / demo)
     what = given(option) if getattr(args, name) else f"{option} (default: {checkpoint})"
     config = checkpoint / "config.json"
     if not config.is_file():

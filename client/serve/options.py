@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tandem.backends.speculative.config import AUTO
-from tandem.backends.speculative.fit import checkpoint_misfit
+from tandem.backends.speculative.fit import first_fitting
 from tandem.backends.triton.settings import EngineSettings, setting
-from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.paths import DEFAULT_PROPOSERS, DEMO_CHECKPOINTS
 
 log = logging.getLogger("tandem.serve")
 
@@ -145,15 +145,22 @@ class ServeOptions:
         return values
 
     def _default_proposer(self, key: str, demo: str, model_dir: str) -> str:
-        """The demo's proposer, or "" where ``--spec auto`` cannot use it on this target
-        (it drafts by prompt lookup alone then; a method named for it refuses it on load)."""
-        path = DEMO_CHECKPOINTS / demo
-        misfit = checkpoint_misfit(path, model_dir) if self.engine.spec_method == AUTO else ""
-        if misfit:
-            log.warning("--spec auto: the default %s %s does not fit the target (%s): drafting by "
-                        "prompt lookup only", "--" + key.replace("_", "-"), path, misfit)
-            return ""
-        return str(path)
+        """The first default proposer that fits this target (:data:`DEFAULT_PROPOSERS`: the
+        SmolLM2 head, then the demo's), or "" where none does and ``--spec auto`` drafts by
+        prompt lookup alone; a method named for it gets the demo's, which refuses on load."""
+        path, skipped = first_fitting(DEFAULT_PROPOSERS[key], model_dir)
+        option = "--" + key.replace("_", "-")
+        if path is not None:
+            for candidate, misfit in skipped:
+                log.info("the default %s %s does not fit the target (%s); using %s", option,
+                         candidate, misfit, path)
+            return str(path)
+        if self.engine.spec_method != AUTO:
+            return str(DEMO_CHECKPOINTS / demo)
+        for i, (candidate, misfit) in enumerate(skipped):
+            log.warning("--spec auto: the default %s %s does not fit the target (%s)%s", option,
+                        candidate, misfit, ": drafting by prompt lookup only" if i == len(skipped) - 1 else "")
+        return ""
 
     def _check_disagg_policy(self) -> None:
         from tandem.backends.disagg.routing import RoutingPolicy

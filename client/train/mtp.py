@@ -69,6 +69,9 @@ def add_subcommands(sub) -> None:
     e.add_argument("--new-tokens", type=int, default=64)
     e.add_argument("--max-prompt-tokens", type=int, default=256)
     e.add_argument("--prompts", default=None, help="prompts.json (default <target>/prompts.json)")
+    e.add_argument("--stop-at-eos", action="store_true",
+                   help="continuations end at the target's EOS (chat answers): nothing it writes "
+                        "after its answer counts")
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--threads", type=int, default=1)
@@ -128,8 +131,12 @@ def run_token_frequencies(args: argparse.Namespace) -> int:
 
 
 def run_mtp(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.backends.models.model_path import resolve_model_path
     from tandem.backends.training.distill import load_distill_rows
-    from tandem.backends.training.mtp import MTPTrainConfig, load_token_streams, train_mtp
+    from tandem.backends.training.mtp import (MTPTrainConfig, TokenStreams, load_token_streams,
+                                              train_mtp)
 
     cfg = MTPTrainConfig.from_file(args.config or DEFAULT_CONFIG)
     if args.no_norms:
@@ -140,9 +147,14 @@ def run_mtp(args: argparse.Namespace) -> int:
     if args.restart:
         (work / "state.pt").unlink(missing_ok=True)
     command = start_run(args, work, "mtp")
-    data = load_token_streams(args.data, args.target, work)
-    distill = load_distill_rows(args.distill_data, args.target) if args.distill_data else None
-    result = train_mtp(cfg, args.target, data, work, args.out, device=args.device,
+    target = resolve_model_path(args.target)
+    distill = load_distill_rows(args.distill_data, target) if args.distill_data else None
+    if distill is not None and cfg.mtp.distill_fraction == 1.0 and args.data is None:
+        empty = torch.zeros(0, dtype=torch.long)   # every step on the rows: no corpus needed
+        data = TokenStreams(empty, empty)
+    else:
+        data = load_token_streams(args.data, target, work)
+    result = train_mtp(cfg, target, data, work, args.out, device=args.device,
                        resume=args.resume, max_steps=args.max_steps, command=command,
                        hidden_cache=args.hidden_cache, distill=distill)
     best = result["best"] or {}
@@ -172,9 +184,10 @@ def run_mtp_eval(args: argparse.Namespace) -> int:
         proposers[name] = ("mtp", path)
     if not proposers:
         raise ValueError("mtp-eval: nothing to evaluate; pass --draft and/or --mtp NAME=DIR")
-    report = evaluate_proposers(args.target, proposers, tuple(map(int, args.ks.split(","))),
+    from tandem.backends.models.model_path import resolve_model_path
+    report = evaluate_proposers(resolve_model_path(args.target), proposers, tuple(map(int, args.ks.split(","))),
                                 args.num_prompts, args.new_tokens, args.max_prompt_tokens,
-                                args.dtype, args.device, args.prompts)
+                                args.dtype, args.device, args.prompts, args.stop_at_eos)
     return _report(format_report(report), report, args.out)
 
 

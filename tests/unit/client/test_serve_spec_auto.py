@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from tandem.backends.triton.settings import EngineSettings
+from tandem.client.paths import DEMO_CHECKPOINTS
 from tandem.client.serve.options import ServeOptions
 
 from .test_serve_validation import accepted, draft, refused  # noqa: F401  (draft: a fixture)
@@ -37,10 +38,11 @@ def test_the_engine_gets_the_mtp_head_and_adaptive_k(given, method, adaptive):
 
 
 def test_auto_skips_a_default_head_that_does_not_fit_the_target(tmp_path, caplog, capsys):
-    """Any Llama-family target starts with --spec auto: the demo MTP head (hidden 384, vocab
-    4096) is skipped for another model, with a line that says why, and prompt lookup drafts."""
+    """Any Llama-family target starts with --spec auto: the default MTP heads (SmolLM2's,
+    hidden 576, vocab 49152; the demo's, hidden 384, vocab 4096) are skipped for another
+    model, with a line each that says why, and prompt lookup drafts."""
     import json
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 512, "vocab_size": 32000}))
     assert accepted(["--spec", "auto", "--model", str(tmp_path)]).spec_method == "auto"
     with caplog.at_level("WARNING", logger="tandem.serve"):
         values = ServeOptions.of(model_dir=str(tmp_path), spec_method="auto").template_values()
@@ -48,5 +50,21 @@ def test_auto_skips_a_default_head_that_does_not_fit_the_target(tmp_path, caplog
     spec = EngineSettings.from_model_config(
         {"parameters": {k: {"string_value": v} for k, v in values.items()}}).speculative()
     assert (spec.method, spec.auto) == ("ngram", True)
-    assert "does not fit the target (it was trained for hidden 384, vocab 4096; the target has " \
-           "hidden 576, vocab 49152): drafting by prompt lookup only" in caplog.text
+    assert "smollm2/mtp does not fit the target (it was trained for hidden 576, vocab 49152; " \
+           "the target has hidden 512, vocab 32000)" in caplog.text
+    assert "demo/mtp does not fit the target (it was trained for hidden 384, vocab 4096; the " \
+           "target has hidden 512, vocab 32000): drafting by prompt lookup only" in caplog.text
+
+
+@pytest.mark.parametrize("spec_method", ["auto", "mtp"])
+def test_a_smollm2_shaped_target_gets_the_smollm2_head(tmp_path, spec_method):
+    """The default MTP head is the first that fits: checkpoints/smollm2/mtp for SmolLM2
+    (hidden 576, vocab 49152), the demo's for the demo target."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "vocab_size": 49152}))
+    assert accepted(["--spec", spec_method, "--model", str(tmp_path)]).spec_method == spec_method
+    values = ServeOptions.of(model_dir=str(tmp_path), spec_method=spec_method).template_values()
+    assert Path(values["mtp_head"]).parts[-2:] == ("smollm2", "mtp")
+    demo = ServeOptions.of(model_dir=str(DEMO_CHECKPOINTS / "target"),
+                           spec_method=spec_method).template_values()
+    assert Path(demo["mtp_head"]).parts[-2:] == ("demo", "mtp")
