@@ -77,7 +77,7 @@ def llama_config(meta: dict, tensor_names: set[str], rope_freqs: np.ndarray | No
 
 def _f32(x: float) -> float:
     """A GGUF float32 as the decimal it was written from (1e-05, not 9.99999974e-06)."""
-    return float(repr(np.float32(x)))
+    return float(str(np.float32(x)))     # str: numpy 2's repr is "np.float32(1e-05)"
 
 
 def _rope_scaling(meta: dict, rope_freqs: np.ndarray | None, theta: float, head_dim: int) -> dict | None:

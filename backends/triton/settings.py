@@ -117,7 +117,7 @@ class EngineSettings:
         "step costs measured on this machine and each sequence's recent acceptance (0: a plain step); off: "
         "always k (default: %(default)s)"))
     draft_model: str = setting("", "--draft-model", "draft checkpoint (default: checkpoints/demo/draft)")
-    mtp_head: str = setting("", "--mtp-head", "MTP head checkpoint (default: checkpoints/demo/mtp)")
+    mtp_head: str = setting("", "--mtp-head", "MTP head checkpoint (default: the first of checkpoints/smollm2/mtp and checkpoints/demo/mtp that fits the target)")
     # decode speed (engine/config.py)
     draft_vocab_size: int = setting(
         0, "--draft-vocab-size", "with --spec draft_target or mtp: the proposer scores only its N most "

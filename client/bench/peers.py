@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-tokens", type=positive_int, default=32,
                    help="the warm prompts' unique suffix (cold prompts: prefix + suffix tokens, all unique)")
     p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--together", action="store_true",
+                   help="every configuration up at once and measured in turns (one group), e.g. Tandem's "
+                        "speculation against its own plain decoding, interleaved")
     p.add_argument("--tandem-mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--tandem-code", default="head", choices=["head", "worktree"],
                    help="head (default): Tandem's servers run the last commit (a git archive in the run's temp "
@@ -316,8 +319,9 @@ def cpu_summary(runs: dict, concurrency: list[int]) -> dict:
 
 
 def engine_share(role: str) -> bool:
-    """Whether a process runs the model's forward (the rest is the serving path's)."""
-    return role in ("stub:decode", "stub:prefill", "stub:llm") or role.startswith("VLLM::EngineCore")
+    """Whether a process runs the model's forward (the rest is the serving path's: vLLM's
+    EngineCore schedules and busy-polls, its Worker runs the model)."""
+    return role in ("stub:decode", "stub:prefill", "stub:llm", "VLLM::Worker")
 
 
 def cell(value: float | None, digits: int) -> str:
@@ -482,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
         if set(_TANDEMS) & set(servers) and args.tandem_code == "head":
             from tandem.client.bench.peer_servers import snapshot
             tandem_path = snapshot(work / "code")
-        for group, members in groups(cfgs).items():
+        for group, members in (groups(cfgs) if not args.together else {"all": cfgs}).items():
             print(f"group {group}: starting {', '.join(map(label, members))}", flush=True)
             group_info[group] = {"start": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                  "tandem_code": git, "load_avg": round(os.getloadavg()[0], 2)}

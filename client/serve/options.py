@@ -4,7 +4,7 @@ engine's (:class:`~tandem.backends.triton.settings.EngineSettings`, declared the
 and what only the server decides (which models, under which names).
 
 >>> ServeOptions.of(mode="colocated").ensembles
-('tandem_colocated',)
+('tandem_colocated', 'tandem_colocated_direct')
 >>> ServeOptions.of(mode="both", ensemble_name="ensemble").aliases
 {'ensemble': 'tandem'}
 >>> ServeOptions.of(page_size=32).engine.page_size

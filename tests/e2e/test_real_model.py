@@ -2,11 +2,12 @@
 auto`` (SmolLM2-135M-Instruct from the GGUF that ``make install`` installs, converted once
 into the cache) answers chat completions through the OpenAI API with its ChatML template,
 and the greedy answer is HF transformers' own (fp32) on the same GGUF, token for token.
-The demo MTP head does not fit this target: ``--spec auto`` says so and drafts by prompt
-lookup alone (lossless: the text is still transformers')."""
+``--spec auto`` drafts with the MTP head trained for it (checkpoints/smollm2/mtp), not the
+demo's, which does not fit (lossless: the text is still transformers')."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
@@ -59,7 +60,7 @@ def api(gguf_file, tmp_path_factory):
             "--max-num-seqs", "4", "--http-port", str(http), "--grpc-port", str(grpc),
             "--metrics-port", str(metrics), "--openai-port", str(port), "--run-dir", str(run / "run"),
             "--log-file", str(run / "server.log"), "--ready-timeout", "600", ready_timeout_s=900) as cmd:
-        yield f"http://127.0.0.1:{port}/v1", cmd.output
+        yield f"http://127.0.0.1:{port}/v1", cmd.output, run / "run"
 
 
 def _chat(base_url: str, question: str) -> dict:
@@ -72,7 +73,7 @@ def _chat(base_url: str, question: str) -> dict:
 
 
 def test_the_greedy_chat_answer_is_transformers_own(api, hf_answers):
-    base_url, output = api
+    base_url, output, _ = api
     for q in QUESTIONS:
         out = _chat(base_url, q)
         choice = out["choices"][0]
@@ -81,10 +82,12 @@ def test_the_greedy_chat_answer_is_transformers_own(api, hf_answers):
     assert "reverse" in hf_answers[QUESTIONS[0]] and "Paris" in hf_answers[QUESTIONS[1]]   # a real model
 
 
-def test_auto_says_why_the_demo_head_is_skipped(api):
-    _, output = api
-    assert any("does not fit the target" in line and "drafting by prompt lookup only" in line
-               for line in output), "".join(output)
+def test_auto_drafts_with_the_head_trained_for_this_model(api):
+    _, output, run_dir = api
+    config = (run_dir / "model_repository" / "decode" / "config.pbtxt").read_text()
+    head = re.search(r'key: "mtp_head" value: \{ string_value: "([^"]*)" \}', config).group(1)
+    assert head.endswith("checkpoints/smollm2/mtp"), head
+    assert not any("drafting by prompt lookup only" in line for line in output), "".join(output)
 
 
 def varied_corpus(n: int = 10_500) -> list[str]:
