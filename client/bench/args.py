@@ -25,6 +25,26 @@ from typing import Callable
 ArgumentTypeError = argparse.ArgumentTypeError
 
 
+def model_path(text: str):
+    """A model option: an HF checkpoint directory as given, ``demo`` (the demo target), or
+    what the server's ``--model`` also takes — a ``.gguf`` file or a packaged model's name
+    (``smollm2-135m-instruct``) — as its converted HF directory (converted once, cached).
+
+    >>> model_path("demo").parts[-2:]
+    ('demo', 'target')
+    """
+    from pathlib import Path
+
+    from tandem.client.paths import DEMO_CHECKPOINTS
+    if text == "demo":
+        return DEMO_CHECKPOINTS / "target"
+    from tandem.backends.models.model_path import resolve_model_path
+    try:
+        return Path(resolve_model_path(text))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ArgumentTypeError(str(exc)) from None
+
+
 class CommaList(list):
     """A list that prints as it was written (``1,8,16``): the report's command line
     (``bench_report.command``) then reproduces the run."""

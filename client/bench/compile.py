@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import names, positive_int, positive_ints
+from tandem.client.bench.args import model_path, names, positive_int, positive_ints
 from tandem.client.bench.repeats import fmt, spread
 from tandem.client.bench.report import header, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -34,7 +34,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--target", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--dtypes", type=names("float32", "bfloat16"), default="float32,bfloat16")
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")
     p.add_argument("--context", type=positive_int, default=150, help="tokens already in each sequence's KV")

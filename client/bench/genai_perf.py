@@ -22,7 +22,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, model_path, names, positive_int, positive_ints
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -38,7 +38,7 @@ COLUMNS = (("request_throughput", "avg", "req/s"), ("output_token_throughput", "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--targets", type=names(*TARGETS), default=",".join(TARGETS),
                    help="comma-separated: triton (the ensemble over gRPC), completions, chat (the OpenAI API)")
     p.add_argument("--concurrency", type=positive_ints, default="1,4")

@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, model_path, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.report import header, write
 from tandem.client.bench.stats import percentile
 
@@ -53,7 +53,7 @@ def valid(kind: str, text: str) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO / "target")
+    p.add_argument("--target", type=model_path, default=DEMO / "target")
     p.add_argument("--draft", type=Path, default=DEMO / "draft")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp")
     add_dtype(p)

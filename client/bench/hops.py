@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, positive_int
+from tandem.client.bench.args import add_dtype, model_path, names, positive_int
 from tandem.client.bench.harness import prompt_texts, start_server, work_dir
 from tandem.client.bench.openai_load import run_closed_loop
 from tandem.client.bench.report import header, write
@@ -44,7 +44,7 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--streams", type=positive_int, default=8, help="concurrent streams per round")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens per stream")
     p.add_argument("--repeats", type=positive_int, default=5, help="measured rounds per path and version")

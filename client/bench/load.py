@@ -18,7 +18,7 @@ import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, non_negative_int, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, model_path, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_table, ratios_to_best,
                             summarize_runs)
@@ -36,7 +36,7 @@ KEYS = ["throughput_per_s", "output_tok_s", "decode_tok_s_median", "first_respon
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--concurrency", type=positive_ints, default="1,2,4,8,16")
     p.add_argument("--request-count", type=positive_int, default=48, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=positive_int, default=64)

@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tandem.client.bench.args import names, positive_int, positive_ints
+from tandem.client.bench.args import model_path, names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
 from tandem.client.bench.offline_pair import kept
 from tandem.client.bench.openai_load import closed_loop, summarize
@@ -174,14 +174,6 @@ def engine(server: str) -> str:
 
 def tandem_mode(server: str, args) -> str:
     return "colocated" if server == "tandem-colocated" else args.tandem_mode
-
-
-def model_dir(name: str) -> Path:
-    """``--model`` as the HF directory both servers load (a GGUF converted once)."""
-    if name == "demo":
-        return DEMO_CHECKPOINTS / "target"
-    from tandem.backends.models.model_path import resolve_model_path
-    return Path(resolve_model_path(name))
 
 
 def request_text(args, kind: str, text: str, prompts: Prompts) -> str:
@@ -459,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     servers = ["vllm"] if args.peers_only else list(args.servers)
     # Tandem serves the name (its --spec auto picks the proposers made for it), vLLM the directory
-    args._model_dir = model_dir(args.model)
+    args._model_dir = model_path(args.model)     # the HF directory both load (a GGUF converted once)
     if args.api == "auto":
         from tandem.client.openai.chat_template import PLAIN, ChatTemplate
         args.api = "completions" if ChatTemplate.for_checkpoint(args._model_dir) is PLAIN else "chat"

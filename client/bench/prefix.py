@@ -27,7 +27,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import names, positive_int, positive_ints
+from tandem.client.bench.args import model_path, names, positive_int, positive_ints
 from tandem.client.bench.harness import work_dir
 from tandem.client.bench.openai_load import run_closed_loop
 from tandem.client.bench.peer_servers import SETTLE_S
@@ -100,7 +100,7 @@ def scrape_routed(srv) -> dict[str, float] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--dtype", type=dtype, default="auto",
                    help="auto (default): bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32")
     p.add_argument("--workloads", type=names(*WORKLOADS), default=",".join(WORKLOADS))

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, names, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, model_path, names, positive_int, positive_ints
 from tandem.client.bench.report import header, write
 from tandem.client.paths import DEMO_CHECKPOINTS
 
@@ -38,7 +38,7 @@ COMPILED_REGION = "Torch-Compiled Region"   # the profiler's event around a comp
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--target", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--draft", type=Path, default=DEMO_CHECKPOINTS / "draft")
     add_dtype(p)
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8")

@@ -16,7 +16,8 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem.client.bench.args import add_dtype, CommaList, cpu_list, positive_float, positive_int, positive_ints
+from tandem.client.bench.args import (add_dtype, CommaList, cpu_list, model_path, positive_float, positive_int,
+                                      positive_ints)
 from tandem.client.bench.harness import long_context_copy, prompt_texts, start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
@@ -27,7 +28,7 @@ DEFAULT_OUT = Path("docs/bench/scaling.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--decoders", type=positive_ints, default="1,2,3", help="decode servers per run")
     p.add_argument("--streams", type=positive_int, default=4, help="requests in flight per decode server")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024)

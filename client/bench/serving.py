@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.client.bench.args import (add_dtype, core_count, names, non_negative_floats, positive_float, positive_int,
-                         token_range)
+from tandem.client.bench.args import (add_dtype, core_count, model_path, names, non_negative_floats,
+                                      positive_float, positive_int, token_range)
 from tandem.client.bench.harness import start_server, long_context_copy, prompt_texts, work_dir
 from tandem.client.bench.repeats import (error_bars, fmt, interleaved, ratios_table, ratios_to_best,
                             summarize_runs)
@@ -45,7 +45,7 @@ KEYS = ["output_tok_s", "decode_tok_s_median", "decode_tok_s_p10", "ttft_ms_p50"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--rates", type=non_negative_floats, default="0,0.1,0.2,0.4",
                    help="long-prompt arrivals per second, comma-separated")
     p.add_argument("--duration", type=positive_float, default=40.0, help="seconds per rate")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from typing import Callable
 
-from tandem.client.bench.args import add_dtype, comma_list, names, positive_int, positive_ints
+from tandem.client.bench.args import add_dtype, comma_list, model_path, names, positive_int, positive_ints
 from tandem.client.bench.harness import timed
 from tandem.client.bench.repeats import error_bars, fmt, spread
 from tandem.client.bench.report import header, save_figure, write
@@ -26,7 +26,7 @@ DEFAULT_OUT = Path("docs/bench/spec.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO / "target")
+    p.add_argument("--target", type=model_path, default=DEMO / "target")
     p.add_argument("--draft", type=Path, default=DEMO / "draft")
     p.add_argument("--mtp", type=Path, default=DEMO / "mtp")
     add_dtype(p)

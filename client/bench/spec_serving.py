@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tandem.backends.speculative.config import AUTO, METHODS as SPEC_METHODS, NO_SPECULATION
 
-from tandem.client.bench.args import (add_dtype, ArgumentTypeError, names, non_negative_int, positive_float, positive_int,
-                         positive_ints)
+from tandem.client.bench.args import (add_dtype, ArgumentTypeError, model_path, names, non_negative_int,
+                                      positive_float, positive_int, positive_ints)
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.repeats import error_bars, spread
 from tandem.client.bench.report import header, save_figure, write
@@ -41,7 +41,7 @@ def methods(text: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_CHECKPOINTS / "target")
+    p.add_argument("--model", type=model_path, default=DEMO_CHECKPOINTS / "target")
     p.add_argument("--methods", type=methods, default=",".join(METHODS),
                    help=f"comma-separated, of: {', '.join(METHODS)} (none included)")
     p.add_argument("--ks", type=positive_ints, default="1,2,3,4,5")
