@@ -63,6 +63,18 @@ def token_request(ids=(5, 6, 7), request_id: str = "", **extra):
     return Request(request_id, **arrays(input_ids=ids, **extra))
 
 
+def streaming_one_token(model, engine, **extra):
+    """A streamed request of 50 tokens executed on ``model`` whose first token (" a") the
+    fake ``engine`` has produced: ``(request, on_output)``."""
+    import types
+    request = token_request(stream=True, max_tokens=50, **extra)
+    model.execute([request])
+    _, _, on_output = engine.submitted[-1]
+    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
+                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    return request, on_output
+
+
 def outputs(sender):
     return [(r.outputs, flags) for r, flags in sender.sent if r is not None and r.error is None]
 

@@ -17,7 +17,8 @@ from tandem.backends.triton.latency import StreamClock
 from tandem.backends.triton.perf_outputs import PERF_OUTPUT_NAMES
 
 from .fakes import FINAL, VOCAB, FakeEngine, MetricFamily, Request, TritonError, TritonModelException, metric
-from .model_calls import arrays, model_args, model_config, outputs, texts, the_error, token_request, wait_for
+from .model_calls import (arrays, model_args, model_config, outputs, streaming_one_token, texts, the_error,
+                          token_request, wait_for)
 
 
 def test_initialize_configures_engine_and_threads(model, ckpt_dir):
@@ -168,11 +169,7 @@ def test_one_bad_request_does_not_affect_the_others(model):
 
 def test_cancelled_request_gets_final_and_is_aborted(model):
     engine = FakeEngine.instances[-1]
-    request = token_request(stream=True, max_tokens=50)
-    model.execute([request])
-    _, _, on_output = engine.submitted[0]
-    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
-                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    request, on_output = streaming_one_token(model, engine)
     request.cancelled = True
     wait_for(lambda: engine.aborted == ["req-0"])
     assert model.replies.flush() and request.sender.final
@@ -192,11 +189,7 @@ def test_a_stop_request_ends_the_stream_with_its_request_id(model):
     first stream with its final flag and the engine aborts the sequence; the stop request
     gets an empty final response. A stop naming no stream in flight is an error."""
     engine = FakeEngine.instances[-1]
-    request = token_request(stream=True, max_tokens=50, request_id="42")
-    model.execute([request])
-    _, _, on_output = engine.submitted[0]
-    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
-                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    request, _ = streaming_one_token(model, engine, request_id="42")
     stop = token_request(ids=(), stop=True, request_id="42")
     model.execute([stop])
     assert engine.aborted == ["req-0"] and stop.sender.final and stop.sender.sent[-1][0] is None

@@ -7,7 +7,7 @@ import time
 import types
 
 from .fakes import FINAL, FakeEngine, Request
-from .model_calls import outputs, token_request, wait_for
+from .model_calls import outputs, streaming_one_token, token_request, wait_for
 
 
 def test_postprocess_is_not_dynamically_batched():
@@ -28,11 +28,7 @@ def test_a_cancelled_ensemble_request_reaches_the_engine_through_postprocess(mod
     from tandem.backends.triton.postprocess_model import TritonPythonModel as Postprocess
 
     engine = FakeEngine.instances[-1]
-    request = token_request(stream=True, max_tokens=50, prompt_echo="x: ")
-    model.execute([request])
-    _, _, on_output = engine.submitted[0]
-    on_output(types.SimpleNamespace(request_id="req-0", new_token_ids=[1], new_text=" a", finished=False,
-                                    finish_reason=None, num_prompt_tokens=3, num_output_tokens=1))
+    request, on_output = streaming_one_token(model, engine, prompt_echo="x: ")
     model.replies.flush()
     (out, _), = outputs(request.sender)
     assert out["prompt_echo"][0, 0] == b"x: "      # relayed unread
