@@ -4,7 +4,6 @@ way a cancelled ensemble request reaches the engine."""
 from __future__ import annotations
 
 import time
-import types
 
 from .fakes import FINAL, FakeEngine, Request
 from .model_calls import outputs, streaming_one_token, token_request, wait_for
