@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=names("eager", "compiled"), default="eager,compiled",
                    help="eager (enforce_eager) and/or compiled (the compiled decode step at every batch)")
     p.add_argument("--k", type=positive_int, default=3, help="draft tokens per verify step")
+    p.add_argument("--kinds", type=names("decode", "verify"), default="decode,verify",
+                   help="decode (a plain step) and/or verify (a draft_target step: needs a --draft that fits)")
+    p.add_argument("--prompt-len", type=positive_int, default=48,
+                   help="each sequence's prompt (the attention's context grows with it)")
     p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--out", type=Path, default=Path("docs/bench/profile.json"))
@@ -180,14 +184,14 @@ def run(args: argparse.Namespace) -> int:
     report["matmul_peak_gflops"] = peak = round(matmul_peak_gflops(args.dtype), 1)
     print(f"read bandwidth {read_gb_s} GB/s, {args.dtype} matmul peak {peak} GFLOPS "
           f"({args.threads} thread(s))", flush=True)
-    prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(8)]
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(args.prompt_len)] for i in range(max(8, *args.batch_sizes))]
     # the profiled window's mean context: prompt, 4 warm-up steps, the unprofiled steps
-    context = 48 + 4 + args.steps + args.steps // 2
+    context = args.prompt_len + 4 + args.steps + args.steps // 2
     modes = {"eager": dict(enforce_eager=True), "compiled": dict(compile="all")}
     rows = []
     for batch in args.batch_sizes:
-        for kind, spec in (("decode", None),
-                           ("verify", SpeculativeConfig("draft_target", args.k, draft_model=str(args.draft)))):
+        kinds = (("decode", None), ("verify", SpeculativeConfig("draft_target", args.k, draft_model=str(args.draft))))
+        for kind, spec in (k for k in kinds if k[0] in args.kinds):
             for mode in args.modes:
                 llm = LLM(args.target, dtype=args.dtype, speculative=spec, max_num_seqs=max(8, batch),
                           **modes[mode])
