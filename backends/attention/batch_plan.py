@@ -58,6 +58,9 @@ class BatchPlan:
     page_size: int
     sm_scale: float
     identity: bool  # one group, original order, no padding: output is the SDPA output
+    # the C++ kernel attends (no groups built): qo_max <= the caller's kernel_max_qo
+    kernel: bool = False
+    kv_lens: list[int] = field(default_factory=list)
 
 
 def group_requests(qo_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
@@ -185,8 +188,10 @@ def plan_batch(
     page_size: int,
     causal: bool,
     sm_scale: float | None,
+    kernel_max_qo: int = 0,
 ) -> BatchPlan:
-    """Validate FlashInfer-style indices and build the groups for ``run()``."""
+    """Validate FlashInfer-style indices and build the groups for ``run()``, or none
+    when every request has at most ``kernel_max_qo`` queries (the C++ kernel's case)."""
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     # The metadata is tiny: plain lists are much cheaper than many small tensor ops.
@@ -206,7 +211,8 @@ def plan_batch(
     if any(q > 0 and k == 0 for q, k in zip(qo_lens, kv_lens)):
         raise ValueError("a request with queries has no KV pages")
 
-    members = group_requests(qo_lens, kv_lens)
+    kernel = kernel_max_qo > 0 and max(qo_lens, default=0) <= kernel_max_qo
+    members = [] if kernel else group_requests(qo_lens, kv_lens)
     identity = len(members) == 1 and len(members[0]) == batch and len(set(qo_lens)) == 1
     group_size = num_qo_heads // num_kv_heads
     groups = [
@@ -223,4 +229,6 @@ def plan_batch(
         page_size=page_size,
         sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale),
         identity=identity,
+        kernel=kernel,
+        kv_lens=kv_lens,
     )

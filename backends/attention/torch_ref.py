@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import layout
+from . import cpu_kernel, layout
 from .batch_plan import AttentionGroup, BatchPlan, plan_batch
 
 # plan() keywords that change the maths: accepted only at their neutral value.
@@ -38,6 +38,8 @@ class _PagedAttention:
     def __init__(self, float_workspace_buffer: torch.Tensor | None, kv_layout: str = "NHD"):
         self._kv_layout = layout.check_layout(kv_layout)
         self._plan: BatchPlan | None = None
+        self._kernel_indices: tuple[torch.Tensor, ...] = ()   # the C++ kernel's, when plan.kernel
+        self._causal = False
         self._kv_buffer: torch.Tensor | None = None  # gathered K/V pages, reused across layers
 
     def _plan_batch(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
@@ -45,11 +47,17 @@ class _PagedAttention:
         _check_neutral(kwargs)
         if head_dim_vo not in (None, head_dim):
             raise NotImplementedError("the CPU attention path needs head_dim_vo == head_dim_qk")
-        self._plan = plan_batch(
+        on_cpu = kv_indices.device.type == "cpu"
+        self._plan = plan = plan_batch(
             qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             page_size=page_size, causal=causal, sm_scale=sm_scale,
+            kernel_max_qo=cpu_kernel.MAX_QO_LEN if on_cpu and cpu_kernel.load() else 0,
         )
+        self._causal = causal
+        self._kernel_indices = () if not plan.kernel else tuple(
+            t.to(torch.int64).contiguous() for t in (qo_indptr, kv_indptr, kv_indices)
+        ) + (torch.tensor(plan.kv_lens, dtype=torch.int64),)
 
     def _run(self, q: torch.Tensor, paged_kv_cache, out: torch.Tensor | None, return_lse: bool):
         plan = self._plan
@@ -63,6 +71,13 @@ class _PagedAttention:
                 f"{[plan.nnz_qo, plan.num_qo_heads, plan.head_dim]}, got {list(q.shape)}"
             )
         stacked = not isinstance(paged_kv_cache, (tuple, list))
+        if plan.kernel:
+            self._check_cache(plan, paged_kv_cache, stacked)
+            k_cache, v_cache = layout.split_cache(paged_kv_cache, self._kv_layout)
+            o = cpu_kernel.paged_attention(q, k_cache, v_cache, self._kv_layout == "HND",
+                                           *self._kernel_indices, plan.num_kv_heads, self._causal,
+                                           plan.sm_scale)
+            return o if out is None else out.copy_(o)
         rows = self._cache_rows(plan, paged_kv_cache, stacked)
         if plan.identity:
             o = self._attend(plan, plan.groups[0], q, rows, stacked)
@@ -78,6 +93,11 @@ class _PagedAttention:
 
     def _cache_rows(self, plan: BatchPlan, paged_kv_cache, stacked: bool) -> tuple[torch.Tensor, ...]:
         """2-D row views of the cache (one, or one per k/v cache) after checking its shape."""
+        caches = self._check_cache(plan, paged_kv_cache, stacked)
+        return tuple(layout.cache_rows(c, self._kv_layout, stacked) for c in caches)
+
+    def _check_cache(self, plan: BatchPlan, paged_kv_cache, stacked: bool) -> tuple[torch.Tensor, ...]:
+        """The cache (one, or one per k/v cache), its shape checked against the plan."""
         if self._kv_layout == "NHD":
             inner = (plan.page_size, plan.num_kv_heads, plan.head_dim)
         else:
@@ -94,7 +114,7 @@ class _PagedAttention:
                 f"{self._kv_layout} paged_kv_cache must be {want} (or a tuple of two without the 2) "
                 f"to match the plan, got shapes {shapes}"
             )
-        return tuple(layout.cache_rows(c, self._kv_layout, stacked) for c in caches)
+        return caches
 
     def _attend(self, plan: BatchPlan, group: AttentionGroup, q: torch.Tensor, rows, stacked: bool) -> torch.Tensor:
         """SDPA of one group; returns padded output rows ``[num_reqs * qo_max, Hq, D]``."""

@@ -9,8 +9,6 @@ settings and ``tandem serve`` all read them from here.
 """
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import MISSING, dataclass, field, fields
 
 from ..kv_cache.pages import KV_LAYOUTS, pages_needed
@@ -18,15 +16,10 @@ from ..models.config import DTYPE_BYTES, DTYPE_CHOICES, DTYPES, ModelConfig
 from ..models.dtype import AUTO, resolve_dtype
 from ..models.model_path import resolve_model_path
 from ..speculative.config import SpeculativeConfig
+from ..toolchain import cxx_compiler   # here too: tests turn compiling off through this name
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 COMPILE_MODES = ("auto", "all")
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else g++ or
-    c++), or None: then the engine runs eagerly."""
-    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
 
 @dataclass(slots=True, frozen=True)

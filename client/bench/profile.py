@@ -33,7 +33,7 @@ CATEGORIES = (
 WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
               "mkldnn::_linear_pointwise",   # the packed bf16 linear (models/packed_linear.py)
               "tandem::packed_linear")       # ... inside a compiled step
-OPERATOR_NAMESPACES = ("aten::", "mkldnn::", "tandem::")
+OPERATOR_NAMESPACES = ("aten::", "mkldnn::", "tandem::", "tandem_cpu::")   # tandem_cpu: C++ kernels
 COMPILED_REGION = "Torch-Compiled Region"   # the profiler's event around a compiled graph's call
 
 
@@ -92,7 +92,7 @@ def compiled_category(op: str) -> str:
     >>> compiled_category("tandem::paged_attention"), compiled_category("aten::mm")
     ('attention', 'weights')
     """
-    if op.startswith("tandem::paged_attention"):
+    if op.startswith(("tandem::paged_attention", "tandem_cpu::paged_attention")):
         return "attention"
     return "weights" if op.startswith(WEIGHT_OPS) else "model (non-matmul)"
 

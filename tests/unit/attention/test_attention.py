@@ -1,7 +1,9 @@
 """tandem.backends.attention against naive per-request softmax attention.
 
 Pages are scattered at random over a cache whose unused slots hold random
-values, so any gather or masking mistake shows up in the output.
+values, so any gather or masking mistake shows up in the output. Every test runs
+twice on the CPU: with the C++ kernel for few query rows (backends/attention/
+cpu_kernel.py) and with the torch path alone, which serves long prefills anyway.
 """
 
 import doctest
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from tandem.backends import attention
+from tandem.backends.attention import cpu_kernel
 from tandem.backends.attention import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
@@ -37,6 +40,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def attention_path(request, monkeypatch):
+    if request.param == "kernel":
+        assert cpu_kernel.load(), "the C++ paged attention did not build (a C++ compiler is installed)"
+    else:
+        monkeypatch.setattr(cpu_kernel, "MAX_QO_LEN", 0)
+    return request.param
 
 
 def workspace():
