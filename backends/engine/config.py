@@ -16,7 +16,7 @@ from ..models.config import DTYPE_BYTES, DTYPE_CHOICES, DTYPES, ModelConfig
 from ..models.dtype import AUTO, resolve_dtype
 from ..models.model_path import resolve_model_path
 from ..speculative.config import SpeculativeConfig
-from ..toolchain import cxx_compiler   # here too: tests turn compiling off through this name
+from ..cpu_kernels import cxx_compiler   # here too: tests turn compiling off through this name
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 COMPILE_MODES = ("auto", "all")

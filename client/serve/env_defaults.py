@@ -33,8 +33,8 @@ PREFIX = "TANDEM_"
 OTHER_VARIABLES = frozenset({
     "TANDEM_DEBUG",            # client/cli.py: a user error's traceback
     "TANDEM_PACKED_WEIGHTS",   # backends/models/packed_linear.py: 0 turns packed weights off
-    "TANDEM_CPU_ATTENTION",    # backends/attention/cpu_kernel.py: 0 turns the C++ kernel off
-    "TANDEM_KERNEL_CACHE_DIR",  # backends/attention/cpu_kernel.py: where the kernel is built
+    "TANDEM_CPU_KERNELS",      # backends/cpu_kernels: 0 turns the C++ kernels off
+    "TANDEM_KERNEL_CACHE_DIR",  # backends/cpu_kernels: where they are built
     "TANDEM_CACHE_DIR",        # backends/models/model_path.py: where converted GGUFs are cached
     "TANDEM_FAULTS",           # rdma/faults.py: the models' fault injection
     "TANDEM_KV_INTERFACE",     # backends/triton/settings.py: the KV transfer's fallbacks

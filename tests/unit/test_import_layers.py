@@ -1,6 +1,6 @@
 """The layer order, enforced: every import (lazy ones inside functions too) points down.
 
-    toolchain, models, kv_cache -> attention -> speculative -> engine -> training | disagg -> triton -> client
+    cpu_kernels, models, kv_cache -> attention -> speculative -> engine -> training | disagg -> triton -> client
     rdma: a leaf beside them, used by disagg, triton and client only
 
 No cycle either, between packages or between modules: the imports a module runs when
@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"backends": "tandem.backends", "rdma": "tandem.rdma", "client": "tandem.client"}
 
 # what each layer may import besides itself ("lazy" is backends' PEP 562 helper)
-ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "toolchain"}
+ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "cpu_kernels"}
 ALLOWED: dict[str, set[str]] = {
-    "models": set(),
+    "models": {"cpu_kernels"},
     "kv_cache": set(),
-    "attention": {"kv_cache", "toolchain"},
+    "attention": {"kv_cache", "cpu_kernels"},
     "speculative": {"models"},
     "engine": ENGINE_BELOW,
     "training": ENGINE_BELOW | {"engine"},
@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "rdma": set(),
     "backends": {"engine", "speculative"},   # the package root's lazy exports
     "lazy": set(),
-    "toolchain": set(),   # the machine's C++ compiler (attention's kernel, engine's compile)
+    "cpu_kernels": set(),   # the C++ CPU kernels and the machine's compiler
 }
 PB_UTILS = "triton_python_backend_utils"
 

@@ -1,10 +1,11 @@
 """The C++ paged-attention kernel (backends/attention/cpu_kernel.py): when it serves a
 plan, its scalar path (a head_dim the SIMD path does not take), and the switch that
-turns it off. Its maths against naive attention: test_attention.py, run on both paths."""
+turns the CPU kernels off. Its maths against naive attention: test_attention.py, run on both paths."""
 
 import pytest
 import torch
 
+from tandem.backends import cpu_kernels
 from tandem.backends.attention import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
@@ -72,11 +73,20 @@ def test_kernel_equals_the_torch_path(head_dim, dtype, monkeypatch):
         torch.testing.assert_close(kernel_out.float(), torch_out.float(), **tol)
 
 
-def test_tandem_cpu_attention_0_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv("TANDEM_CPU_ATTENTION", "0")
-    assert cpu_kernel.load.__wrapped__() is False
+@pytest.mark.parametrize("value, attention, linear", [
+    ("0", False, False), ("none", False, False), ("attention", True, False), ("linear", False, True),
+    ("attention,linear", True, True), ("all", True, True)])
+def test_tandem_cpu_kernels_selects_the_kernels(monkeypatch, value, attention, linear):
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", value)
+    assert (cpu_kernels.enabled("attention"), cpu_kernels.enabled("linear")) == (attention, linear)
+    assert cpu_kernel.load() is attention
 
 
-def test_without_a_compiler_attention_stays_on_the_torch_path(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "cxx_compiler", lambda: None)
-    assert cpu_kernel.load.__wrapped__() is False
+def test_without_a_compiler_the_kernels_stay_off(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cxx_compiler", lambda: None)
+    assert cpu_kernels._built.__wrapped__() is False
+
+
+def test_an_unknown_kernel_name_is_refused():
+    with pytest.raises(ValueError, match="unknown CPU kernel 'flash'"):
+        cpu_kernels.load("flash")

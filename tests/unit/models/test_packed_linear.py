@@ -1,10 +1,13 @@
-"""oneDNN-packed bf16 linear layers: same outputs, same parameters, only where supported."""
+"""oneDNN-packed bf16 linear layers (and the small-M kernel's copy): same outputs, same
+parameters, only where supported."""
 import pytest
 import torch
 from torch import nn
 
+from tandem.backends import cpu_kernels
 from tandem.backends.models import LlamaForCausalLM, ModelConfig, pack_linears
-from tandem.backends.models.packed_linear import PackedLinear, packing_supported
+from tandem.backends.models.packed_linear import SMALL_M as SMALL_M_ROWS
+from tandem.backends.models.packed_linear import PackedLinear, packing_supported, small_m_packing
 
 SUPPORTED = packing_supported(torch.empty(1, dtype=torch.bfloat16))
 needs_packing = pytest.mark.skipif(not SUPPORTED, reason="this CPU has no oneDNN bf16 support")
@@ -65,3 +68,34 @@ def test_training_still_differentiates_through_the_original_weight():
     x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
     packed(x).sum().backward()
     assert linear.weight.grad is not None and x.grad is not None
+
+
+SMALL_M = SUPPORTED and cpu_kernels.load("linear")
+needs_small_m = pytest.mark.skipif(not SMALL_M, reason="this CPU has no AVX512-BF16 (or no C++ compiler)")
+
+
+@needs_small_m
+@pytest.mark.parametrize("bias", [False, True])
+def test_up_to_four_rows_go_to_the_small_m_kernel_with_onednn_accuracy(bias):
+    """The decode step's shapes (576 in, 960 out): rows 1..4 on the small-M kernel, more
+    on oneDNN; both within bf16 rounding of the float product."""
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    packed = PackedLinear(linear)
+    assert packed._small_m is not None
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            out = packed(x)
+        exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+        # one bf16 rounding of the output (2^-8 relative) plus float summation order
+        torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=1e-3)
+        if rows <= SMALL_M_ROWS:
+            assert torch.equal(out, torch.ops.tandem_cpu.small_m_linear(x, packed._small_m, linear.bias))
+        else:
+            assert torch.equal(out, linear(x))   # oneDNN, as F.linear
+
+
+def test_the_small_m_copy_is_made_only_for_shapes_the_kernel_takes():
+    assert small_m_packing(torch.zeros(81, 64, dtype=torch.bfloat16)) is None   # 81 outputs: not 16 | N
+    assert small_m_packing(torch.zeros(80, 63, dtype=torch.bfloat16)) is None   # odd K
