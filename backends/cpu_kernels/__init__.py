@@ -2,7 +2,7 @@
 
 - ``paged_attention.cpp``: attention over paged K/V for few query rows per request
   (decode, verification), reading the pages in place (attention/cpu_kernel.py).
-- ``small_m_linear.cpp``: a bf16 linear for 1 to 4 rows with AVX512-BF16 dot products,
+- ``small_m_linear.cpp``: a bf16 linear for 1 to 8 rows with AVX512-BF16 dot products,
   streaming the weight once (models/packed_linear.py); oneDNN's kernel reads it at about
   half the memory's bandwidth at these shapes.
 

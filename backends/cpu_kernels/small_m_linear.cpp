@@ -1,5 +1,5 @@
-// y = x @ w.T (+ bias) for bf16 x [M, K] with M <= 4 and bf16 w [N, K]: a decode step's
-// linears at batch 1 to 4, where the time is reading the weight once from memory.
+// y = x @ w.T (+ bias) for bf16 x [M, K] with M <= 8 and bf16 w [N, K]: a decode step's
+// linears at batch 1 to 8, where the time is mostly reading the weight from memory.
 //
 // The weight is packed once (pack()) so that 16 outputs' pairs of k lie in one 64-byte
 // line: one AVX512-BF16 dot-product instruction per line and row of x accumulates 16
@@ -13,12 +13,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;   // rows of x
+constexpr int64_t kMaxRows = 8;   // rows of x (beyond 8 oneDNN measured as fast: the dot products bound it)
 constexpr int64_t kLanes = 16;    // outputs per block of the packed weight
-constexpr int64_t kChains = 4;    // independent accumulators per row (dpbf16's latency)
 
 // The packed weight: [N / 16][K / 2][16][2] bf16, so each 64-byte load holds two
 // consecutive k of 16 outputs, and a block's K / 2 loads are one sequential stream.
@@ -29,9 +29,12 @@ at::Tensor pack(const at::Tensor& w) {
   return w.view({n / kLanes, kLanes, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// M rows of x; kChains independent accumulators per row hide dpbf16's latency when
+// M alone does not (below 4 rows)
 template <int64_t M>
 void blocks(const int32_t* x, const __m512i* w, const c10::BFloat16* bias, c10::BFloat16* y,
             int64_t b0, int64_t b1, int64_t pairs, int64_t n) {
+  constexpr int64_t kChains = M >= 4 ? 1 : 4;
   for (int64_t b = b0; b < b1; ++b) {
     const __m512i* wb = w + b * pairs;
     __m512 acc[M][kChains];
@@ -51,7 +54,8 @@ void blocks(const int32_t* x, const __m512i* w, const c10::BFloat16* bias, c10::
         acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(x[m * pairs + p]), wv);
     }
     for (int64_t m = 0; m < M; ++m) {
-      __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+      __m512 sum = acc[m][0];
+      for (int64_t c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
       if (bias) {
         const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + b * kLanes));
         sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16)));
@@ -59,6 +63,15 @@ void blocks(const int32_t* x, const __m512i* w, const c10::BFloat16* bias, c10::
       // round to nearest even, as oneDNN and c10::BFloat16 round
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * n + b * kLanes), (__m256i)_mm512_cvtneps_pbh(sum));
     }
+  }
+}
+
+// f(std::integral_constant<int64_t, m>{}) for m in 1..kMaxRows
+template <int64_t M = 1, typename F>
+void dispatch(int64_t m, F&& f) {
+  if constexpr (M <= kMaxRows) {
+    if (m == M) return f(std::integral_constant<int64_t, M>{});
+    dispatch<M + 1>(m, f);
   }
 }
 
@@ -84,12 +97,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& packed, const c
   const auto* wp = reinterpret_cast<const __m512i*>(packed.data_ptr());
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n / kLanes, 4, [&](int64_t b0, int64_t b1) {
-    switch (m) {
-      case 1: blocks<1>(xp, wp, bp, yp, b0, b1, pairs, n); break;
-      case 2: blocks<2>(xp, wp, bp, yp, b0, b1, pairs, n); break;
-      case 3: blocks<3>(xp, wp, bp, yp, b0, b1, pairs, n); break;
-      default: blocks<4>(xp, wp, bp, yp, b0, b1, pairs, n); break;
-    }
+    dispatch(m, [&](auto rows) { blocks<decltype(rows)::value>(xp, wp, bp, yp, b0, b1, pairs, n); });
   });
   return y;
 }

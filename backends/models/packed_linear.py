@@ -7,7 +7,7 @@ The original ``weight`` parameter stays (state dicts, tied embeddings and the MT
 head's use of the target's ``lm_head`` keep working); the packed copy is read-only, so
 pack only models whose weights no longer change.
 
-At 1 to 4 rows (a decode step at batch 1 to 4) oneDNN reads the weight at about half
+At 1 to 8 rows (a decode step at batch 1 to 8) oneDNN reads the weight at about half
 a core's memory bandwidth; there the C++ kernel of backends/cpu_kernels/small_m_linear.cpp
 runs instead, where the CPU has AVX512-BF16: a second packed copy laid out for it,
 streamed in order (float accumulation, bf16 output rounded as oneDNN rounds it).
@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import cpu_kernels
 
-SMALL_M = 4   # at most this many rows go to the small-M kernel
+SMALL_M = 8   # at most this many rows go to the small-M kernel (measured faster up to 8)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:

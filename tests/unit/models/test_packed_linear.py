@@ -76,14 +76,14 @@ needs_small_m = pytest.mark.skipif(not SMALL_M, reason="this CPU has no AVX512-B
 
 @needs_small_m
 @pytest.mark.parametrize("bias", [False, True])
-def test_up_to_four_rows_go_to_the_small_m_kernel_with_onednn_accuracy(bias):
-    """The decode step's shapes (576 in, 960 out): rows 1..4 on the small-M kernel, more
+def test_up_to_eight_rows_go_to_the_small_m_kernel_with_onednn_accuracy(bias):
+    """The decode step's shapes (576 in, 960 out): rows 1..8 on the small-M kernel, more
     on oneDNN; both within bf16 rounding of the float product."""
     torch.manual_seed(1)
     linear = nn.Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
     packed = PackedLinear(linear)
     assert packed._small_m is not None
-    for rows in (1, 2, 3, 4, 5):
+    for rows in (1, 2, 3, 4, 8, 9):
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         with torch.inference_mode():
             out = packed(x)
