@@ -174,6 +174,87 @@ inline void accumulate_rows(const KV* v, const float* p, int64_t stride, int64_t
   }
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16: dot products straight from the stored bf16
+// (32 pairs per instruction, float accumulation), no conversion of K or V.
+#define PA_BF16 1
+constexpr int64_t kBlock = 16;   // tokens scored together
+
+// v[j] -> lane j of the result holds the sum of v[j]'s 16 lanes (a transpose-and-add:
+// 45 instructions for 16 sums, against ~8 per sum one by one)
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // b[i]'s 128-bit lane L: the sums over lane L of v[4i..4i+3]; add the four lanes
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+inline uint16_t bf16_bits(float f) {   // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// scores[r * stride + j] = scale * q_r . key_j for the n <= 16 tokens of one block
+inline void score_block_bf16(const c10::BFloat16* const* keys, int64_t n, const uint16_t* qb, int64_t rows,
+                             int64_t d, float scale, float* scores, int64_t stride) {
+  const int64_t chunks = d / 32;
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512bh qv[kMaxHeadDim / 32];
+    for (int64_t c = 0; c < chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + r * d + 32 * c);
+    __m512 acc[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j < n)
+        for (int64_t c = 0; c < chunks; ++c)
+          acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+    }
+    _mm512_mask_storeu_ps(scores + r * stride, valid, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// acc (per row, chunk, half: 16 float lanes in unpack order) += p_a * va + p_b * vb
+inline void accumulate_pair_bf16(const c10::BFloat16* va, const c10::BFloat16* vb, const float* pa,
+                                 int64_t stride, int64_t rows, int64_t d, float* acc) {
+  const int64_t chunks = d / 32;
+  __m512bh lo[kMaxHeadDim / 32], hi[kMaxHeadDim / 32];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+    lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);   // per 128-bit lane: (a_i, b_i), i = 0..3
+    hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);   //                   (a_i, b_i), i = 4..7
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float p0 = pa[r * stride], p1 = pa[r * stride + 1];
+    if (p0 == 0.f && p1 == 0.f) continue;
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(
+        static_cast<int32_t>(bf16_bits(p0) | (static_cast<uint32_t>(bf16_bits(p1)) << 16)));
+    float* a = acc + r * d * 2;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_storeu_ps(a + 64 * c, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 64 * c), lo[c], w));
+      _mm512_storeu_ps(a + 64 * c + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 64 * c + 16), hi[c], w));
+    }
+  }
+}
+
+// the unpack order back to dims: chunk c, half h, lane l -> dim 32c + 8(l / 4) + 4h + l % 4
+inline void unpermute_bf16(const float* acc, int64_t rows, int64_t d, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d / 32; ++c)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t l = 0; l < 16; ++l)
+          out[r * d + 32 * c + 8 * (l / 4) + 4 * h + l % 4] = acc[r * d * 2 + 64 * c + 16 * h + l];
+}
+#endif
+
 struct Geometry {
   int64_t page_size, head_dim, group;
   int64_t page_stride, head_stride, token_stride;  // in elements, same for k and v caches
@@ -186,7 +267,9 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
             bool causal, float scale, int64_t batch, int64_t num_kv_heads) {
   const int64_t d = g.head_dim;
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, row(d);
+    std::vector<float> qf, scores, acc, row(d), acc2;
+    std::vector<uint16_t> qb;
+    std::vector<c10::BFloat16> zeros;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t q0 = qo_indptr[b], qo_len = qo_indptr[b + 1] - q0;
@@ -214,9 +297,38 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
           for (int64_t i = 0; i < n; ++i) f(start + i, base + i * g.token_stride);
         }
       };
-      for_each_token(k_cache, [&](int64_t t, const KV* k) {
-        score_rows(k, qf.data(), rows, d, scores.data() + t, kv_len, row.data());
-      });
+#ifdef PA_BF16
+      constexpr bool bf16_path = std::is_same_v<KV, c10::BFloat16>;
+      const bool dot_bf16 = bf16_path && d % 32 == 0 && d <= kMaxHeadDim;
+#else
+      const bool dot_bf16 = false;
+#endif
+      if (dot_bf16) {
+#ifdef PA_BF16
+        if constexpr (bf16_path) {
+          qb.resize(rows * d);   // q unscaled in bf16 (a bf16 model's q is bf16 already)
+          for (int64_t r = 0; r < rows; ++r) {
+            const Q* src = q + (q0 + r / g.group) * q_token_stride + (h * g.group + r % g.group) * d;
+            for (int64_t i = 0; i < d; ++i) qb[r * d + i] = bf16_bits(to_float(src[i]));
+          }
+          const KV* block[kBlock];
+          int64_t n = 0, first = 0;
+          for_each_token(k_cache, [&](int64_t t, const KV* k) {
+            if (n == 0) first = t;
+            block[n++] = k;
+            if (n == kBlock) {
+              score_block_bf16(block, n, qb.data(), rows, d, scale, scores.data() + first, kv_len);
+              n = 0;
+            }
+          });
+          if (n) score_block_bf16(block, n, qb.data(), rows, d, scale, scores.data() + first, kv_len);
+        }
+#endif
+      } else {
+        for_each_token(k_cache, [&](int64_t t, const KV* k) {
+          score_rows(k, qf.data(), rows, d, scores.data() + t, kv_len, row.data());
+        });
+      }
       std::vector<float> denom(rows);
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * kv_len;
@@ -233,9 +345,37 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
         for (int64_t t = n; t < kv_len; ++t) s[t] = 0.f;
         denom[r] = sum;
       }
-      for_each_token(v_cache, [&](int64_t t, const KV* v) {
-        accumulate_rows(v, scores.data() + t, kv_len, rows, d, acc.data(), row.data());
-      });
+      if (dot_bf16) {
+#ifdef PA_BF16
+        if constexpr (bf16_path) {
+          // tokens in pairs (t, t + 1); an odd last token pairs with zeros of weight 0
+          acc2.assign(rows * d * 2, 0.f);
+          zeros.assign(d, c10::BFloat16());
+          const KV* pending = nullptr;
+          int64_t first = 0;
+          for_each_token(v_cache, [&](int64_t t, const KV* v) {
+            if (pending == nullptr) {
+              pending = v;
+              first = t;
+              return;
+            }
+            accumulate_pair_bf16(pending, v, scores.data() + first, kv_len, rows, d, acc2.data());
+            pending = nullptr;
+          });
+          if (pending != nullptr) {
+            // row r's p of the token after `first` is row r + 1's first p: zero it for the pair
+            std::vector<float> last(rows * 2, 0.f);
+            for (int64_t r = 0; r < rows; ++r) last[r * 2] = scores[r * kv_len + first];
+            accumulate_pair_bf16(pending, zeros.data(), last.data(), 2, rows, d, acc2.data());
+          }
+          unpermute_bf16(acc2.data(), rows, d, acc.data());
+        }
+#endif
+      } else {
+        for_each_token(v_cache, [&](int64_t t, const KV* v) {
+          accumulate_rows(v, scores.data() + t, kv_len, rows, d, acc.data(), row.data());
+        });
+      }
       for (int64_t r = 0; r < rows; ++r) {
         Q* dst = out + (q0 + r / g.group) * out_token_stride + (h * g.group + r % g.group) * d;
         const float inv = 1.f / denom[r];
