@@ -107,6 +107,15 @@ def python_frames(event) -> list[str]:
     return frames
 
 
+def warm_up_steps(prompts: list[list[int]], max_num_batched_tokens: int) -> int:
+    """Steps that prefill every prompt (one chunk of the token budget each) and 4 more.
+
+    >>> warm_up_steps([[1] * 384] * 16, 512)
+    16
+    """
+    return -(-sum(len(p) for p in prompts) // max_num_batched_tokens) + 4
+
+
 def profile_steps(llm, prompts, steps: int, new_tokens: int) -> dict:
     """Admit ``prompts``, prefill them, then profile ``steps`` engine steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -116,7 +125,9 @@ def profile_steps(llm, prompts, steps: int, new_tokens: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    for _ in range(4):   # prefill, and the proposer's catch-up, before measuring
+    # prefill (in chunks of max_num_batched_tokens: 16 prompts of 384 tokens take 12
+    # steps), and the proposer's catch-up, before measuring
+    for _ in range(warm_up_steps(prompts, engine.config.max_num_batched_tokens)):
         engine.step()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
@@ -185,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"read bandwidth {read_gb_s} GB/s, {args.dtype} matmul peak {peak} GFLOPS "
           f"({args.threads} thread(s))", flush=True)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(args.prompt_len)] for i in range(max(8, *args.batch_sizes))]
-    # the profiled window's mean context: prompt, 4 warm-up steps, the unprofiled steps
+    # the profiled window's mean context: prompt, the decode steps of the warm-up (about
+    # 4), the unprofiled steps
     context = args.prompt_len + 4 + args.steps + args.steps // 2
     modes = {"eager": dict(enforce_eager=True), "compiled": dict(compile="all")}
     rows = []
