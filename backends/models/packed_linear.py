@@ -68,7 +68,7 @@ def small_m_packing(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, small_m: torch.Tensor | None,
             bias: torch.Tensor | None) -> torch.Tensor:
-    if small_m is not None and x.shape[0] <= SMALL_M:
+    if small_m is not None and 0 < x.shape[0] <= SMALL_M:   # no rows: a chunk with no logits
         return torch.ops.tandem_cpu.small_m_linear(x, small_m, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

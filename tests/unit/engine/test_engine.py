@@ -53,6 +53,19 @@ def test_chunked_prefill_matches_unchunked(llama_dir):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+@pytest.mark.parametrize("arch", ["llama_gqa_untied", "qwen3"])   # head_dim 16 and 32
+def test_bf16_serves_chunked_prefill_and_every_batch_size(arch, checkpoint_root):
+    """In bf16 the CPU kernels run where the machine has them (the small-M linear on
+    AVX512-BF16, the paged attention with a compiler): chunks that need no logits
+    (0 rows), batches of 1 to 9 rows, prompts longer than the token budget."""
+    prompts = random_prompts(9, lo=20, hi=60, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(make_checkpoint(arch, checkpoint_root), dtype="bfloat16", max_num_batched_tokens=16)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in outs)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
 def test_seeded_sampling_reproduces(llama_dir):
     prompts = random_prompts(3)
     p = SamplingParams(max_tokens=20, temperature=1.0, top_k=50, top_p=0.9, seed=123)

@@ -83,14 +83,14 @@ def test_up_to_eight_rows_go_to_the_small_m_kernel_with_onednn_accuracy(bias):
     linear = nn.Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
     packed = PackedLinear(linear)
     assert packed._small_m is not None
-    for rows in (1, 2, 3, 4, 8, 9):
+    for rows in (0, 1, 2, 3, 4, 8, 9):   # 0: a prefill chunk that needs no logits
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         with torch.inference_mode():
             out = packed(x)
         exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
         # one bf16 rounding of the output (2^-8 relative) plus float summation order
         torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=1e-3)
-        if rows <= SMALL_M_ROWS:
+        if 0 < rows <= SMALL_M_ROWS:
             assert torch.equal(out, torch.ops.tandem_cpu.small_m_linear(x, packed._small_m, linear.bias))
         else:
             assert torch.equal(out, linear(x))   # oneDNN, as F.linear
