@@ -35,8 +35,8 @@ from tandem.rdma.pool_layout import SHM_DIR, pid_exists
 from .routing import DecodeLoad
 
 # prefill_tokens, updated (monotonic ns), writer pid, prompt tokens taken in (cumulative),
-# the remote prefill side down until (monotonic ns; 0: up)
-_WORDS = 5
+# the remote prefill side down until (monotonic ns; 0: up), sequences in decode's batch
+_WORDS = 6
 
 
 def board_path(pool_name: str) -> str:
@@ -66,10 +66,12 @@ class DecodeLoadBoard:
         except (FileNotFoundError, ValueError):   # not yet created, or still empty
             return None
 
-    def publish(self, prefill_tokens: int, taken_in: int = 0) -> None:
+    def publish(self, prefill_tokens: int, taken_in: int = 0, running: int = 0) -> None:
         """``taken_in``: prompt tokens of the local-path sequences this process has
-        admitted since it started (cumulative; :class:`InTransit` reads it)."""
+        admitted since it started (cumulative; :class:`InTransit` reads it);
+        ``running``: the sequences in decode's batch (the local prefill reads it)."""
         w = self._words
+        w[5] = running
         w[3] = taken_in
         w[0] = prefill_tokens
         w[1] = time.monotonic_ns()
@@ -82,6 +84,11 @@ class DecodeLoadBoard:
         if pid and not pid_exists(pid):
             return DecodeLoad()
         return DecodeLoad(prefill_tokens=max(0, tokens))
+
+    def decode_idle(self) -> bool:
+        """Whether decode holds no sequence in its batch (or its writer is gone)."""
+        pid = int(self._words[2])
+        return int(self._words[5]) == 0 or (pid != 0 and not pid_exists(pid))
 
     def prefill_down_until(self, until_ns: int) -> None:
         """The prefill router's word (another process than decode's): its prefill
@@ -177,7 +184,7 @@ class DecodeStepHook:
         if self.board is not None:
             scheduler = self.engine.scheduler
             self._count_arrivals(scheduler)
-            state = (prefill_backlog_tokens(scheduler), self._taken_in)
+            state = (prefill_backlog_tokens(scheduler), self._taken_in, len(scheduler.running))
             if state != self._published:
                 self.board.publish(*state)
                 self._published = state
@@ -200,3 +207,31 @@ class DecodeStepHook:
                 if seq.num_computed == 0:
                     self._taken_in += len(seq.prompt_ids)
         self._known &= live
+
+
+class PrefillThreads:
+    """Runs on the local prefill's engine thread before each step: its torch threads are
+    ``idle_threads`` while decode holds no sequence (a cold request at low concurrency
+    then prefills on decode's idle cores too), else ``threads``. Size the OpenMP team for
+    ``max(threads, idle_threads)`` on the main thread first (as for decode's borrowing).
+    Until decode has made its board (``open_board`` returns None) it keeps ``threads``."""
+
+    def __init__(self, pool_name: str, threads: int, idle_threads: int,
+                 open_board=DecodeLoadBoard.open_if_exists, set_threads=None):
+        self.pool_name, self.threads, self.idle_threads = pool_name, threads, idle_threads
+        self._open_board, self._board = open_board, None
+        if set_threads is None:
+            import torch
+            set_threads = torch.set_num_threads
+        self._set_threads = set_threads
+        self._current: int | None = None
+
+    def __call__(self) -> None:
+        if self.idle_threads == self.threads:
+            return
+        if self._board is None:
+            self._board = self._open_board(self.pool_name)
+        want = self.idle_threads if self._board is not None and self._board.decode_idle() else self.threads
+        if want != self._current:
+            self._set_threads(want)
+            self._current = want

@@ -100,6 +100,8 @@ class PrefillService(PrefillHooks):
         self._closing = False
         self._settled = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="tandem-prefill", daemon=True)
+        # runs on the engine thread before each step (the torch threads: PrefillThreads)
+        self.before_step: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -209,6 +211,11 @@ class PrefillService(PrefillHooks):
                         self._abort(rid, error)
                     case TransferEnded(rid, transfer):
                         self._finish(rid, transfer)
+            if self.before_step is not None:
+                try:
+                    self.before_step()
+                except Exception:
+                    log.exception("the prefill's step hook failed")
             try:
                 self.engine.step()
             except Exception:

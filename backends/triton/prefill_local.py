@@ -16,11 +16,14 @@ class LocalPrefillModel(PrefillModel):
     def initialize(self, args: dict) -> None:
         import torch
 
-        from tandem.backends.disagg import PrefillService
+        from tandem.backends.disagg import PrefillService, server_pool_name
+        from tandem.backends.disagg.decode_load import PrefillThreads
         from tandem.rdma import SenderConfig
 
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
-        torch.set_num_threads(s.threads)
+        # the OpenMP team sized on this (the main) thread for the most threads the engine
+        # thread will ask for (PrefillThreads sets them there before each step)
+        torch.set_num_threads(max(s.threads, s.prefill_idle_threads_or_threads))
         # num_pages sizes the decode pool; the prefill's own pool takes the default.
         # With speculation the prefill fills the proposer's KV too (the decoder expects it)
         sender = SenderConfig(timeout_s=float(s.kv_transfer_timeout_s) + 5.0,
@@ -31,6 +34,8 @@ class LocalPrefillModel(PrefillModel):
         self.service = PrefillService(s.engine_config(num_pages=None, model_version=version),
                                       sender)
         self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
+        self.service.before_step = PrefillThreads(server_pool_name(), s.threads,
+                                                  s.prefill_idle_threads_or_threads)
         self.service.start()
         self.metrics = PrefillMetrics(args.get("model_name", "prefill"), version)
         self.metrics_poller = Poller(

@@ -151,6 +151,7 @@ class EngineSettings:
         "max_local_prefill_tokens=2048", metavar="POLICY")
     decode_idle_threads: int = 0          # decode's torch threads while prefill idles; 0: torch_threads
     decode_borrow_min_seqs: int = 12      # ... and while its batch holds at least this many sequences
+    prefill_idle_threads: int = 0         # the local prefill's torch threads while decode has no sequence
     # the KV transfer (kv_transfer, prefill, decode)
     kv_interface: str = setting(
         "", "--kv-interface", "network devices the KV cache travels on between prefill and decode servers "
@@ -210,6 +211,9 @@ class EngineSettings:
                 raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
         if self.decode_borrow_min_seqs < 0:
             raise ValueError(f"config.pbtxt: decode_borrow_min_seqs={self.decode_borrow_min_seqs}; allowed: >= 0")
+        if self.prefill_idle_threads < 0:
+            raise ValueError(f"config.pbtxt: prefill_idle_threads={self.prefill_idle_threads}; allowed: >= 0 "
+                             "(0: torch_threads)")
         if self.decode_idle_threads < 0:
             raise ValueError(f"config.pbtxt: decode_idle_threads={self.decode_idle_threads}; allowed: >= 0 "
                              "(0 = torch_threads)")
@@ -247,6 +251,11 @@ class EngineSettings:
     def idle_threads(self) -> int:
         """Decode's torch threads while the prefill side has nothing to do."""
         return self.decode_idle_threads or self.threads
+
+    @property
+    def prefill_idle_threads_or_threads(self) -> int:
+        """The local prefill's torch threads while decode holds no sequence."""
+        return self.prefill_idle_threads or self.threads
 
     @property
     def net_devices(self) -> str:

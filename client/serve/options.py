@@ -130,13 +130,17 @@ class ServeOptions:
             raise ServerError(f"--faults {engine.faults!r}: quotes, backslashes and line breaks are not allowed")
         values = {k: "" if v is None else str(int(v) if isinstance(v, bool) else v)
                   for k, v in asdict(engine).items()}
-        values |= {"mode": self.mode, "ensemble_name": self.ensemble_name, "decode_idle_threads": "0"}
+        values |= {"mode": self.mode, "ensemble_name": self.ensemble_name, "decode_idle_threads": "0",
+                   "prefill_idle_threads": "0"}
         if engine.torch_threads == 0 and "prefill" in self.models and self.mode != "prefill":
             # prefill and decode run side by side: a half of the cores each, not all twice
             values["torch_threads"] = str(max(1, (os.cpu_count() or 2) // 2))
             if not engine.prefill_endpoints and not engine.disagg_policy.startswith("remote"):
                 # decode prefills too: it takes the prefill process's cores while they idle
                 values["decode_idle_threads"] = str(os.cpu_count() or 2)
+            # and prefill takes decode's cores while decode holds no sequence: a cold
+            # request at low concurrency is prefilled on every core
+            values["prefill_idle_threads"] = str(os.cpu_count() or 2)
         values["model_dir"] = str(Path(engine.model_dir).resolve())
         for key, demo in (("draft_model", "draft"), ("mtp_head", "mtp")):
             path = values[key] or (self._default_proposer(key, demo, values["model_dir"])

@@ -106,6 +106,10 @@ def test_engine_settings_carry_the_policy():
     assert settings(disagg_policy="remote").routing_policy().mode == "remote"
     assert settings(torch_threads="1").idle_threads == 1
     assert settings(torch_threads="1", decode_idle_threads="2").idle_threads == 2
+    assert settings(torch_threads="1").prefill_idle_threads_or_threads == 1
+    assert settings(torch_threads="1", prefill_idle_threads="2").prefill_idle_threads_or_threads == 2
+    with pytest.raises(ValueError, match="prefill_idle_threads=-1"):
+        settings(prefill_idle_threads="-1")
     with pytest.raises(ValueError, match="config.pbtxt: disagg_policy 'x'"):
         settings(disagg_policy="x")
 
@@ -117,8 +121,10 @@ def test_serve_options_default_to_conditional_and_borrow_the_idle_prefill_core(t
     assert values["disagg_policy"] == "conditional" and values["decode_idle_threads"] == cores
     remote = ServeOptions.of(model_dir=str(tmp_path), disagg_policy="remote").template_values()
     assert remote["decode_idle_threads"] == "0"      # today's always-remote server, unchanged
+    # prefill borrows decode's cores whenever it runs beside decode
+    assert values["prefill_idle_threads"] == remote["prefill_idle_threads"] == cores
     fixed = ServeOptions.of(model_dir=str(tmp_path), torch_threads=1).template_values()
-    assert fixed["decode_idle_threads"] == "0"       # threads given: no borrowing
+    assert fixed["decode_idle_threads"] == fixed["prefill_idle_threads"] == "0"   # threads given: no borrowing
     with pytest.raises(ServerError, match="--disagg-policy"):
         ServeOptions.of(model_dir=str(tmp_path), disagg_policy="sometimes").template_values()
 
