@@ -32,7 +32,8 @@ CATEGORIES = (
 )
 WEIGHT_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
               "mkldnn::_linear_pointwise",   # the packed bf16 linear (models/packed_linear.py)
-              "tandem::packed_linear")       # ... inside a compiled step
+              "tandem::packed_linear",       # ... inside a compiled step
+              "tandem_cpu::small_m_linear")  # the C++ linear for 1 to 8 rows (backends/cpu_kernels)
 OPERATOR_NAMESPACES = ("aten::", "mkldnn::", "tandem::", "tandem_cpu::")   # tandem_cpu: C++ kernels
 COMPILED_REGION = "Torch-Compiled Region"   # the profiler's event around a compiled graph's call
 
