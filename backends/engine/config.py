@@ -45,6 +45,10 @@ class EngineConfig:
     # inductor's persistent caches (a restart loads instead of compiling); default
     # $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tandem/inductor
     compile_cache_dir: str | None = None
+    # the torch thread counts the steps will run with besides the one at start-up (decode
+    # borrowing the prefill side's core switches between two): torch.compile guards on the
+    # thread count, so each is compiled at start-up, not by the first step that uses it
+    compile_thread_counts: tuple[int, ...] = ()
     # automatic prefix caching (vLLM's name): full pages of computed KV are kept and
     # shared by later prompts with the same prefix (prefix_caching.py)
     enable_prefix_caching: bool = True

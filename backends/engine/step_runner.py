@@ -76,6 +76,7 @@ class StepRunner:
                 steps = CompiledDecode(runner, buckets, c.compile_cache_dir, verify_ks)
                 log.info("%s: %s", name, steps.warm_up(scratch[0], measure=c.compile == "auto",
                                                        scratch_pages=scratch).describe())
+                steps.compile_for_threads(c.compile_thread_counts, scratch[0], scratch)
                 compiled.append(steps)
         finally:
             self.allocator.free(scratch)

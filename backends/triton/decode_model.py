@@ -50,6 +50,7 @@ class TritonPythonModel(_StreamingModel):
         self.housekeeper = PoolHousekeeper(self.pool)
         # the pool's prefix cache keys pages by this model's version too
         engine = decode_engine(self.pool, s.model_dir, model_version=self.model_version,
+                               compile_thread_counts=(s.threads, s.idle_threads),
                                **s.engine_kwargs())
         self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
         self.load_board.publish(0)

@@ -65,6 +65,29 @@ def test_compiled_step_equals_the_eager_step(tiny_checkpoint, compile_cache):
         assert not pools[1].kv[:, [p for p in range(pools[1].num_pages) if p not in used]].any()
 
 
+def test_steps_compiled_for_each_thread_count_do_not_recompile(tiny_checkpoint, compile_cache):
+    """torch.compile guards on torch's thread count: decode borrowing the prefill side's
+    core switches it (1 <-> 2), and a step at a count not compiled at start-up recompiled
+    (~1 s on the demo, ~30 s on SmolLM2: a KV lease expired). compile_for_threads compiles
+    each count at start-up; with recompiles turned into errors, both counts then run."""
+    import torch._dynamo
+    model = load_model(tiny_checkpoint, "float32")
+    pools, lists = _prefilled_pools(model, [6, 3])
+    steps = CompiledDecode(ModelRunner(model, pools[0]), buckets=[1, 2], cache_dir=compile_cache)
+    steps.warm_up(scratch_page=31, measure=False)
+    before = torch.get_num_threads()
+    steps.compile_for_threads((1, 2), scratch_page=31)
+    assert torch.get_num_threads() == before
+    batch = ForwardBatch([[11], [12]], [6, 3], lists)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for n in (1, 2, 1):
+                torch.set_num_threads(n)
+                steps.forward(batch)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_compiled_verify_step_equals_the_eager_step(tiny_checkpoint, compile_cache, k):
     """Verify batches (k + 1 tokens per sequence, the prefill wrapper's attention in the
