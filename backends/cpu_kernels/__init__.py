@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,19 @@ def _build_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package (a
+    dependency) installs it beside the interpreter, which need not be on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def _built() -> bool:
     if cxx_compiler() is None:
@@ -67,6 +81,7 @@ def _built() -> bool:
                     "linears run on oneDNN alone)")
         return False
     from torch.utils import cpp_extension
+    _put_ninja_on_path()
     name = f"tandem_cpu_kernels_{_build_key()}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)

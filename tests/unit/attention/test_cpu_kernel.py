@@ -90,3 +90,13 @@ def test_without_a_compiler_the_kernels_stay_off(monkeypatch):
 def test_an_unknown_kernel_name_is_refused():
     with pytest.raises(ValueError, match="unknown CPU kernel 'flash'"):
         cpu_kernels.load("flash")
+
+
+def test_ninja_is_found_beside_the_interpreter_when_path_lacks_it(monkeypatch, tmp_path):
+    """torch's builder runs ninja from PATH; a venv's bin (where the ninja package puts
+    it) need not be on PATH when the tests or servers run as .venv/bin/python."""
+    import shutil
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    cpu_kernels._put_ninja_on_path()
+    assert shutil.which("ninja") is not None
