@@ -100,7 +100,14 @@ def load(kernel: str) -> bool:
     :data:`KERNELS`) may run and ``torch.ops.tandem_cpu`` has it."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown CPU kernel {kernel!r}; known: {', '.join(KERNELS)}")
-    if not enabled(kernel) or not _built():
+    return enabled(kernel) and _registered("paged_attention" if kernel == "attention" else "small_m_linear")
+
+
+@functools.cache
+def _registered(op: str) -> bool:
+    """Whether the library built and registered ``op`` (small_m_linear only where the
+    CPU has AVX512-BF16). Once per process: attention plans ask at every step."""
+    if not _built():
         return False
     import torch
-    return hasattr(torch.ops.tandem_cpu, "paged_attention" if kernel == "attention" else "small_m_linear")
+    return hasattr(torch.ops.tandem_cpu, op)

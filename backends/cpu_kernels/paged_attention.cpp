@@ -276,14 +276,11 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
       const int64_t kv_len = kv_lens[b];
       if (qo_len <= 0 || kv_len <= 0) continue;
       const int64_t rows = qo_len * g.group;  // row r: query r / group, head h * group + r % group
-      qf.assign(rows * d, 0.f);
       scores.assign(rows * kv_len, 0.f);
       acc.assign(rows * d, 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
-        const Q* src = q + (q0 + r / g.group) * q_token_stride + (h * g.group + r % g.group) * d;
-        load_row(src, qf.data() + r * d, d);
-        for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
-      }
+      auto q_row = [&](int64_t r) {
+        return q + (q0 + r / g.group) * q_token_stride + (h * g.group + r % g.group) * d;
+      };
       // the last key row r may see: with causal, query i of qo_len sits at kv_len - qo_len + i
       auto visible = [&](int64_t r) {
         return causal ? kv_len - qo_len + r / g.group + 1 : kv_len;
@@ -308,7 +305,7 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
         if constexpr (bf16_path) {
           qb.resize(rows * d);   // q unscaled in bf16 (a bf16 model's q is bf16 already)
           for (int64_t r = 0; r < rows; ++r) {
-            const Q* src = q + (q0 + r / g.group) * q_token_stride + (h * g.group + r % g.group) * d;
+            const Q* src = q_row(r);
             for (int64_t i = 0; i < d; ++i) qb[r * d + i] = bf16_bits(to_float(src[i]));
           }
           const KV* block[kBlock];
@@ -325,6 +322,11 @@ void attend(const Geometry& g, const Q* q, int64_t q_token_stride, Q* out, int64
         }
 #endif
       } else {
+        qf.resize(rows * d);   // q scaled, in float
+        for (int64_t r = 0; r < rows; ++r) {
+          load_row(q_row(r), qf.data() + r * d, d);
+          for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
+        }
         for_each_token(k_cache, [&](int64_t t, const KV* k) {
           score_rows(k, qf.data(), rows, d, scores.data() + t, kv_len, row.data());
         });

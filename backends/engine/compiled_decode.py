@@ -234,16 +234,22 @@ class CompiledDecode:
         compiled graphs are guarded on the thread count: a step at a count not seen here
         would recompile, ~1 s on the demo target and ~30 s on SmolLM2 here)."""
         before = torch.get_num_threads()
-        pages = scratch_pages or [scratch_page]
-        shapes = [(b, 0) for b in self.compiled] + sorted(self.verify_compiled)
+        batches = [batch for _, batch in self._kept_batches(scratch_page, scratch_pages)]
         try:
             for n in sorted(set(counts) - {before}):
                 torch.set_num_threads(n)
-                for bucket, k in shapes:
-                    self.run(ForwardBatch([[0] * (k + 1)] * bucket, [0] * bucket,
-                                          [pages if k else [scratch_page]] * bucket))
+                for batch in batches:
+                    self.run(batch)
         finally:
             torch.set_num_threads(before)
+
+    def _kept_batches(self, scratch_page: int, scratch_pages: list[int] | None):
+        """((bucket, k), batch) for every kept step: token 0 at position 0 writing only
+        ``scratch_page``, verify batches (k > 0) the ``scratch_pages``."""
+        pages = scratch_pages or [scratch_page]
+        for bucket, k in [(b, 0) for b in self.compiled] + sorted(self.verify_compiled):
+            yield (bucket, k), ForwardBatch([[0] * (k + 1)] * bucket, [0] * bucket,
+                                            [pages if k else [scratch_page]] * bucket)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -281,17 +287,13 @@ class CompiledDecode:
         (token 0 at position 0); verify batches the ``scratch_pages`` (``[scratch_page]``
         by default: enough for k + 1 <= page_size)."""
         start = time.perf_counter()
-        pages = scratch_pages or [scratch_page]
         key, memory = self._warm_up_key(), self._warm_up_file()
         remembered = load_warm_up(memory, key) if measure else None
         if remembered is not None:   # compile what it kept (from inductor's cache), time nothing
             self.compiled, self.verify_compiled = list(remembered.compiled), set(remembered.verify_compiled)
             measure = False
-        shapes = [(b, 0) for b in self.compiled] + sorted(self.verify_compiled)
         timings: dict[tuple[int, int], tuple[float, float]] = {}
-        for bucket, k in shapes:
-            batch = ForwardBatch([[0] * (k + 1)] * bucket, [0] * bucket,
-                                 [pages if k else [scratch_page]] * bucket)
+        for (bucket, k), batch in self._kept_batches(scratch_page, scratch_pages):
             compiled = lambda: self.run(batch)
             try:
                 compiled()
