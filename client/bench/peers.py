@@ -45,10 +45,13 @@ from tandem.client.paths import DEMO_CHECKPOINTS
 
 DEFAULT_OUT = Path("docs/bench/peers.json")
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# tandem: `tandem serve` in --tandem-mode; tandem-colocated: --mode colocated beside it
-SERVERS = ("vllm", "tandem", "tandem-colocated")
+# tandem: `tandem serve` in --tandem-mode; the variants beside it, each the same server
+# with other options: to compare placements and allocators in one run
+VARIANTS = {"tandem-colocated": ("--mode", "colocated"), "tandem-jemalloc": ("--malloc", "jemalloc"),
+            "tandem-tcmalloc": ("--malloc", "tcmalloc")}
+SERVERS = ("vllm", "tandem", *VARIANTS)
 DEFAULT_SERVERS = "vllm,tandem"
-_TANDEMS = ("tandem", "tandem-colocated")
+_TANDEMS = ("tandem", *VARIANTS)
 # speculation each server offers here, and the group it is measured in
 METHODS = {"none": ("vllm", *_TANDEMS), "ngram": ("vllm", *_TANDEMS), "draft_model": ("vllm",),
            "draft_target": _TANDEMS, "mtp": _TANDEMS, "auto": _TANDEMS}
@@ -72,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=dtype, default="auto",
                    help="auto (default): bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32")
     p.add_argument("--servers", type=names(*SERVERS), default=DEFAULT_SERVERS,
-                   help="of vllm, tandem (--tandem-mode), tandem-colocated (--mode colocated, to compare placements)")
+                   help="of vllm, tandem (--tandem-mode) and its variants: tandem-colocated (--mode colocated), "
+                        "tandem-jemalloc, tandem-tcmalloc (--malloc)")
     p.add_argument("--peers-only", action="store_true", help="measure vLLM only (same as --servers vllm)")
     p.add_argument("--methods", type=names(*METHODS), default=",".join(METHODS),
                    help="speculation, each on the servers that have it: none, ngram (both), "
@@ -154,6 +158,8 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
             served = args._model_dir if args.model == "demo" else args.model
             cmd, env = ps.tandem_command(served, port, args.dtype, method, args.k, tandem_mode(server, args),
                                          run_dir), ps.tandem_env(tandem_path)
+            if server != "tandem-colocated":
+                cmd += VARIANTS.get(server, ())
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
         launches[(server, method)] = (name, cmd, env, port)
@@ -168,7 +174,7 @@ def served_name(cfg, args) -> str:
 
 
 def engine(server: str) -> str:
-    """The engine a server runs (both Tandem placements run Tandem's)."""
+    """The engine a server runs (every Tandem variant runs Tandem's)."""
     return "vllm" if server == "vllm" else "tandem"
 
 
@@ -255,10 +261,15 @@ def best(runs: dict, server: str, c: int, spec_only: bool) -> tuple[str, str] | 
 
 def comparisons(runs: dict, concurrency: list[int]) -> dict:
     """Tandem over vLLM per level: plain against plain (output tok/s, ITL p50, cold
-    TTFT p50) and best speculation against best speculation (output tok/s)."""
+    TTFT p50) and best speculation against best speculation (output tok/s); each plain
+    Tandem variant over plain `tandem` (output tok/s, cold TTFT p50)."""
     out = {}
     for c in concurrency:
         row = {}
+        for variant in VARIANTS:
+            if (variant, "none") in runs and ("tandem", "none") in runs:
+                mine, base = runs[(variant, "none")][c], runs[("tandem", "none")][c]
+                row[variant] = {k: ratio(mine, base, k) for k in ("output_tok_s", "ttft_cold_ms_p50")}
         if ("tandem", "none") in runs and ("vllm", "none") in runs:
             mine, theirs = runs[("tandem", "none")][c], runs[("vllm", "none")][c]
             row["plain"] = {k: ratio(mine, theirs, k) for k in ("output_tok_s", "itl_ms_p50", "tpot_ms_p50",
@@ -357,6 +368,9 @@ def ratio_table(comp: dict, concurrency: list[int]) -> str:
             ("plain TPOT p50", "plain", "tpot_ms_p50"),
             ("plain cold TTFT p50", "plain", "ttft_cold_ms_p50"),
             ("best speculation output tok/s", "best_speculation", "output_tok_s")]
+    rows += [(f"{v} / tandem, {what}", v, key) for v in VARIANTS
+             if any(v in comp[str(c)] for c in concurrency)
+             for what, key in (("output tok/s", "output_tok_s"), ("cold TTFT p50", "ttft_cold_ms_p50"))]
     lines = ["| Tandem / vLLM (per repeat, median (min–max)) | " + " | ".join(f"c={c}" for c in concurrency)
              + " |", "|---|" + "---:|" * len(concurrency)]
     for name, part, key in rows:

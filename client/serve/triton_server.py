@@ -43,6 +43,7 @@ from tandem.client.serve.repository import render_repository
 from tandem.client.serve.options import ServeOptions, ServerError
 from tandem.client.serve.stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
 from tandem.client.serve.supervisor import Supervisor
+from tandem.client.serve.allocator import CHOICES as MALLOC_CHOICES, AllocatorNotFound, find_allocator, preload_env
 from tandem.client.serve.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
 from tandem.client.serve.triton_http import TritonHTTP, http_ok
 
@@ -116,6 +117,10 @@ class TritonServer:
     tritonserver: str = setting("", "--tritonserver", metavar="PATH", help=(
         "the tritonserver (2.51) binary to run, e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's Triton "
         "container (default: the one in the nvidia-pytriton wheel)"))
+    # preloaded into tritonserver and every stub (allocator.py)
+    malloc: str = setting("system", "--malloc", choices=MALLOC_CHOICES, help=(
+        "the memory allocator of tritonserver and its model processes: system (glibc, default), jemalloc or "
+        "tcmalloc (preloaded; Debian's libjemalloc2 / libtcmalloc-minimal4)"))
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -123,6 +128,7 @@ class TritonServer:
     _launch_args: tuple = field(default=(), init=False, repr=False)
     _shm_prefixes: list = field(default_factory=list, init=False, repr=False)
     _server_pids: list = field(default_factory=list, init=False, repr=False)
+    _preload: str | None = field(default=None, init=False, repr=False)   # --malloc's library
     _launched_at: float = field(default=0.0, init=False, repr=False)     # time.time() of the last launch
     _killed_at: list = field(default_factory=list, init=False, repr=False)  # launches that were killed
     # held while the process is swapped (the supervisor's restart) or stopped
@@ -176,6 +182,10 @@ class TritonServer:
             layout = find_triton(server_bin=self.tritonserver or None)
         except TritonNotFound as exc:
             raise ServerError(str(exc)) from None
+        try:
+            self._preload = find_allocator(self.malloc)
+        except AllocatorNotFound as exc:
+            raise ServerError(str(exc)) from None
         backend_dir = prepare_backend_dir(layout, self.run_dir)
         repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
                                  models=self.options.models, aliases=self.options.aliases)
@@ -226,7 +236,7 @@ class TritonServer:
             out = err = self._log_handle
         else:
             out, err = None, None
-        env = server_env(layout)
+        env = preload_env(server_env(layout), self._preload)
         # fault injection (tests, benchmarks): the models read it here or from their
         # config's "faults" parameter; never inherited from the caller's shell
         env.pop(FAULTS_ENV, None)

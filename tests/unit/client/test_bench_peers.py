@@ -131,6 +131,19 @@ def test_ratios_are_taken_per_repeat():
     assert comp["best_speculation"]["vllm"] == "vllm/ngram" and comp["best_speculation"]["output_tok_s"]["median"] == 2.0
 
 
+def test_variants_are_compared_with_plain_tandem_and_run_with_their_options(tmp_path):
+    def runs(values):
+        return {1: [{"output_tok_s": v, "ttft_cold_ms_p50": 100.0} for v in values]}
+    r = {("tandem", "none"): runs([100, 100, 100]), ("tandem-jemalloc", "none"): runs([110, 90, 105])}
+    comp = peers.comparisons(r, [1])
+    assert comp["1"]["tandem-jemalloc"]["output_tok_s"]["runs"] == [1.1, 0.9, 1.05]
+    assert "tandem-jemalloc / tandem, output tok/s | 1.05" in peers.ratio_table(comp, [1])
+    a = parser().parse_args(["--servers", "tandem,tandem-tcmalloc,tandem-colocated"])
+    assert [peers.engine(s) for s in a.servers] == ["tandem"] * 3
+    assert peers.tandem_mode("tandem-colocated", a) == "colocated" and peers.tandem_mode("tandem-tcmalloc", a) == \
+        "disaggregated"
+
+
 def test_server_commands():
     from pathlib import Path
     cmd = vllm_command(Path("py"), Path("ckpt"), 8123, "float32", "draft_model", 3, Path("draft"))
