@@ -49,7 +49,7 @@ def test_decode_and_short_verify_plans_use_the_kernel_and_long_prefills_do_not()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [36, 64])   # 36: no whole SIMD row, the scalar loops
+@pytest.mark.parametrize("head_dim", [36, 64, 96, 128])   # 36: no whole SIMD row, the scalar loops
 def test_kernel_equals_the_torch_path(head_dim, dtype, monkeypatch):
     """Decode rows and causal verify rows (3 per request) over scattered pages."""
     gen = torch.Generator().manual_seed(head_dim)
