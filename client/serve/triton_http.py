@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.client.serve.admin_key import HEADER
 from tandem.client.serve.options import ServerError
 
 
@@ -28,6 +29,7 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 @dataclass(frozen=True, slots=True)
 class TritonHTTP:
     url: str    # host:port of the HTTP endpoint
+    admin_key: str = field(default="", repr=False)   # sent on the control APIs (admin_key.py)
 
     def server_ready(self) -> bool:
         return http_ok(f"http://{self.url}/v2/health/ready")
@@ -53,8 +55,10 @@ class TritonHTTP:
         self._post(f"/v2/repository/models/{model}/unload", timeout_s=timeout_s)
 
     def _post(self, path: str, timeout_s: float) -> bytes:
-        req = urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST",
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.admin_key:
+            headers[HEADER] = self.admin_key
+        req = urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return r.read()

@@ -43,6 +43,7 @@ from tandem.client.serve.repository import render_repository
 from tandem.client.serve.options import ServeOptions, ServerError
 from tandem.client.serve.stubs import Stub, find_stubs, proc_state, stub_processes  # noqa: F401 - stub_processes re-exported
 from tandem.client.serve.supervisor import Supervisor
+from tandem.client.serve.admin_key import AdminKeyError, resolve_key, restricted_api_args
 from tandem.client.serve.allocator import CHOICES as MALLOC_CHOICES, AllocatorNotFound, find_allocator, preload_env
 from tandem.client.serve.triton_env import TritonNotFound, find_triton, prepare_backend_dir, server_env
 from tandem.client.serve.triton_http import TritonHTTP, http_ok
@@ -117,6 +118,11 @@ class TritonServer:
     tritonserver: str = setting("", "--tritonserver", metavar="PATH", help=(
         "the tritonserver (2.51) binary to run, e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's Triton "
         "container (default: the one in the nvidia-pytriton wheel)"))
+    # Triton's control APIs locked to this key (admin_key.py); beyond loopback always
+    admin_key: str = setting("", "--admin-key", help=(
+        "the key Triton's model-repository, shared-memory, logging and trace APIs require (HTTP header "
+        "'admin-key', gRPC metadata 'triton-grpc-protocol-admin-key'). Bound beyond loopback the server is always locked: without this option it "
+        "makes a key and writes it to <run dir>/admin-key"))
     # preloaded into tritonserver and every stub (allocator.py)
     malloc: str = setting("system", "--malloc", choices=MALLOC_CHOICES, help=(
         "the memory allocator of tritonserver and its model processes: system (glibc, default), jemalloc or "
@@ -129,6 +135,7 @@ class TritonServer:
     _shm_prefixes: list = field(default_factory=list, init=False, repr=False)
     _server_pids: list = field(default_factory=list, init=False, repr=False)
     _preload: str | None = field(default=None, init=False, repr=False)   # --malloc's library
+    _admin_key: str = field(default="", init=False, repr=False)          # the key in force
     _launched_at: float = field(default=0.0, init=False, repr=False)     # time.time() of the last launch
     _killed_at: list = field(default_factory=list, init=False, repr=False)  # launches that were killed
     # held while the process is swapped (the supervisor's restart) or stopped
@@ -149,7 +156,7 @@ class TritonServer:
 
     @property
     def http(self) -> TritonHTTP:
-        return TritonHTTP(self.http_url)
+        return TritonHTTP(self.http_url, self._admin_key)
 
     # ---- lifecycle -------------------------------------------------------
     def __enter__(self) -> "TritonServer":
@@ -184,8 +191,13 @@ class TritonServer:
             raise ServerError(str(exc)) from None
         try:
             self._preload = find_allocator(self.malloc)
-        except AllocatorNotFound as exc:
+            self._admin_key, key_file = resolve_key(self.admin_key, self.host, self.run_dir)
+        except (AllocatorNotFound, AdminKeyError) as exc:
             raise ServerError(str(exc)) from None
+        if key_file is not None:
+            log.warning("%s is reachable beyond loopback: Triton's repository, shared-memory, logging and trace "
+                        "APIs need the header 'admin-key' with the key in %s (or pass --admin-key)",
+                        self.host, key_file)
         backend_dir = prepare_backend_dir(layout, self.run_dir)
         repo = render_repository(self.run_dir / "model_repository", self.options.template_values(),
                                  models=self.options.models, aliases=self.options.aliases)
@@ -229,6 +241,7 @@ class TritonServer:
             *(["--load-model=*"] if self.model_control_mode == "explicit" else []),
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
+            *restricted_api_args(self._admin_key),
         ]
         if self.log_file is not None:
             if self._log_handle is None:

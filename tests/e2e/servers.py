@@ -16,7 +16,7 @@ from tandem.client.serve.process_group import die_with_parent
 
 @contextmanager
 def served(run_dir: Path, ready_timeout_s: float = 180, exit_timeout_s: int = 30,
-           model_control_mode: str = "explicit", **options):
+           model_control_mode: str = "explicit", admin_key: str = "", **options):
     """A server of ``ServeOptions.of(**options)`` in ``run_dir`` (its log there), started
     and stopped on exit, also when a test fails."""
     from tandem.client.serve.options import ServeOptions
@@ -24,7 +24,7 @@ def served(run_dir: Path, ready_timeout_s: float = 180, exit_timeout_s: int = 30
 
     srv = TritonServer(ServeOptions.of(**options), run_dir=run_dir, log_file=run_dir / "tritonserver.log",
                        ready_timeout_s=ready_timeout_s, exit_timeout_s=exit_timeout_s,
-                       model_control_mode=model_control_mode)
+                       model_control_mode=model_control_mode, admin_key=admin_key)
     try:
         srv.start()
         yield srv

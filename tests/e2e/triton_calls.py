@@ -86,10 +86,11 @@ def sse_events(body: str) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
 
 
-def load_model(server, model: str, timeout_s: float = 120) -> int | str:
-    """Triton's repository API: (re)load ``model``. 200, or what went wrong."""
-    req = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{model}/load",
-                                 data=b"{}", method="POST")
+def load_model(server, model: str, timeout_s: float = 120, action: str = "load",
+               headers: dict | None = None) -> int | str:
+    """Triton's repository API: (re)load ``model`` (or unload it). 200, or what went wrong."""
+    req = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{model}/{action}",
+                                 data=b"{}", method="POST", headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status

@@ -162,7 +162,10 @@ def test_manifest_deploys_prefill_and_decode_as_the_design_says(manifest):
         (volume,) = pod["spec"]["volumes"]
         assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"]
         assert {"name": volume["name"], "mountPath": "/dev/shm"} in container["volumeMounts"]
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        # the control APIs' key from a Secret (the server makes one when it is absent)
+        key = next(e for e in container["env"] if e["name"] == "TANDEM_ADMIN_KEY")
+        assert key["valueFrom"]["secretKeyRef"]["optional"] is True
         drain = float(env.get("TANDEM_DRAIN_TIMEOUT", DRAIN_TIMEOUT_S))
         assert pod["spec"]["terminationGracePeriodSeconds"] >= drain + 15
         assert "lifecycle" not in container                    # SIGTERM drains: no preStop

@@ -1,0 +1,53 @@
+"""Triton's control APIs locked to ``--admin-key``: an unauthenticated unload (HTTP or
+gRPC) is refused and leaves the model serving; with the key a version roll (a load)
+works; inference never needs the key; and a server bound beyond loopback without a key
+makes one (admin_key.py, the unit tests: test_serve_admin_key.py)."""
+from __future__ import annotations
+
+import pytest
+
+from tandem.client.generate import stream_generate
+
+from .servers import served
+from .triton_calls import load_model
+
+pytestmark = pytest.mark.e2e
+
+KEY = "test-admin-key-0123456789"
+GRPC_HEADER = "triton-grpc-protocol-admin-key"   # Triton 2.51 prefixes gRPC's restriction header
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with served(tmp_path_factory.mktemp("admin"), admin_key=KEY, mode="colocated", max_num_seqs=2) as srv:
+        yield srv
+
+
+def generate(server) -> str:
+    return "".join(r.text for r in stream_generate(server.grpc_url, "def f(x):", model="tandem_colocated",
+                                                   max_tokens=8, temperature=0.0))
+
+
+def test_without_the_key_the_repository_api_is_refused_over_http_and_grpc(server):
+    from tritonclient.grpc import InferenceServerClient
+    from tritonclient.utils import InferenceServerException
+    refused = load_model(server, "llm", action="unload")
+    assert isinstance(refused, str) and refused.startswith("4"), refused
+    assert load_model(server, "llm", action="unload", headers={"admin-key": "wrong-key-0123456789"}) != 200
+    with InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException):
+            client.unload_model("llm")
+        with pytest.raises(InferenceServerException):
+            client.get_model_repository_index()
+        assert client.is_model_ready("llm") and client.is_server_ready()
+    assert generate(server)
+
+
+def test_with_the_key_a_roll_works_and_the_servers_own_calls_carry_it(server):
+    from tritonclient.grpc import InferenceServerClient
+    assert load_model(server, "postprocess", headers={"admin-key": KEY}) == 200
+    with InferenceServerClient(server.grpc_url) as client:
+        index = client.get_model_repository_index(headers={GRPC_HEADER: KEY})
+        assert {m.name for m in index.models} >= {"llm", "tandem_colocated"}
+    assert "llm" in server.http.index()       # the supervisor's and drain's client sends it
+    assert generate(server)
