@@ -22,12 +22,9 @@ the ``pb_utils`` glue:
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import json
 import os
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -35,6 +32,7 @@ import traceback
 import triton_python_backend_utils as pb_utils
 
 from .inputs import input_getter
+from . import crash_traces
 from .cancel_channel import CANCEL_TOKEN, CancelListener
 from .generate_request import RequestError, parse_token_request, scalar
 from .in_flight import InFlight
@@ -61,10 +59,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import torch
 
-        # `kill -USR1 <stub pid>` dumps every thread's stack into the server log, and a
-        # crash (SIGSEGV, SIGABRT, ...) leaves its Python stacks there before the stub dies
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-        faulthandler.enable(file=sys.stderr, all_threads=True)
+        crash_traces.enable()   # also when this module is used without model.py's entry
         model_config = json.loads(args["model_config"])
         name, version = args.get("model_name", "llm"), str(args.get("model_version", "1"))
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):

@@ -43,12 +43,33 @@ def work_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
     try:
         yield path
     finally:
-        if keep:
-            print(f"kept the run's files in {path}", flush=True)
+        crashed = crash_logs(path)
+        if keep or crashed:
+            why = f" (a process crashed: {', '.join(str(p.relative_to(path)) for p in crashed)})" if crashed else ""
+            print(f"kept the run's files in {path}{why}", flush=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
             if path.exists():   # a process outside our servers still wrote there
                 print(f"could not remove all of {path}", flush=True)
+
+
+# what a crash leaves in a server's log: Python's fault handler (every Tandem process
+# enables it), tritonserver's own crash handler, the supervisor's record of a signal
+CRASH_SIGNS = ("Fatal Python error", "Signal (11) received", "Signal (6) received", "killed by SIGSEGV",
+               "killed by SIGABRT", "killed by SIGBUS", "killed by SIGILL", "killed by SIGFPE")
+
+
+def crash_logs(path: Path) -> list[Path]:
+    """The ``*.log`` files under ``path`` that show a crash (:data:`CRASH_SIGNS`)."""
+    found = []
+    for log in sorted(path.rglob("*.log")):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        if any(sign in text for sign in CRASH_SIGNS):
+            found.append(log)
+    return found
 
 
 def start_server(stack, options, run_dir: Path, attempts: int = 1, **server_kwargs):

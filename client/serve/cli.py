@@ -10,6 +10,7 @@ only the two that belong to this command alone (the OpenAI port, the drain) are 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import socket
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     _log_to_stderr()
+    faulthandler.enable(all_threads=True)   # a crash of the frontend leaves its Python stacks
     api = None
     try:
         server.start()

@@ -412,10 +412,23 @@ class TritonServer:
 
     def cleanup(self, timeout_s: float | None = None) -> None:
         """Stop (``timeout_s``: as :meth:`stop`), and remove the run directory if this
-        object created it."""
+        object created it, unless a process of the server died meanwhile: then the
+        directory (its log, with the crash's Python stacks) is kept and named."""
+        crashes = self.crashes()
         self.stop(timeout_s)
         if self._owns_run_dir and self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            if crashes:
+                log.warning("kept %s for the traces of %s", self.run_dir, "; ".join(crashes))
+            else:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def crashes(self) -> list[str]:
+        """What died while this server ran (the supervisor's record), e.g. "model 'decode'
+        (stub pid 4242) was killed by signal 11 (SIGSEGV)"; [] without a supervisor."""
+        if self.supervisor is None:
+            return []
+        return [f"model {r.model!r} (stub pid {r.pid}) {r.cause}" if r.model else f"tritonserver: {r.cause}"
+                for r in self.supervisor.status().recoveries]
 
     # ---- faults, for tests and benchmarks ---------------------------------
     def stubs(self) -> list[Stub]:
@@ -423,10 +436,11 @@ class TritonServer:
         proc = self.process
         return [] if proc is None else find_stubs(proc.pid)
 
-    def kill_stub(self, model: str) -> int:
-        """SIGKILL the stub process of ``model`` (what a crash or the OOM killer does);
-        returns its pid once it is dead and, when supervised, once the supervisor has
-        seen it (so :meth:`wait_model_ready` afterwards waits for the recovery)."""
+    def kill_stub(self, model: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` (SIGKILL: what the OOM killer does; SIGSEGV: a crash) to the stub
+        process of ``model``; returns its pid once it is dead and, when supervised, once
+        the supervisor has seen it (so :meth:`wait_model_ready` afterwards waits for the
+        recovery)."""
         stubs = [s for s in self.stubs() if s.model == model]
         if not stubs:
             have = sorted({s.model for s in self.stubs()})
@@ -434,7 +448,7 @@ class TritonServer:
         stub = stubs[0]
         if self.supervisor is not None:
             self.supervisor.watch(stub)
-        os.kill(stub.pid, signal.SIGKILL)
+        os.kill(stub.pid, sig)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             state = proc_state(stub.pid)

@@ -2,7 +2,11 @@
 The model's config picks its role (local prefill, or forwarding to prefill servers),
 so this adapter hands each call to the one it picked."""
 
-from tandem.backends.triton.prefill_model import prefill_model_for
+from tandem.backends.triton import crash_traces
+
+crash_traces.enable()   # a crash leaves its Python stacks in the server log
+
+from tandem.backends.triton.prefill_model import prefill_model_for  # noqa: E402
 
 
 class TritonPythonModel:
