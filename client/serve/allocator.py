@@ -1,9 +1,10 @@
 """The memory allocator tritonserver and its model processes run with (``--malloc``).
 
-glibc's malloc is the default. jemalloc and tcmalloc (Debian's ``libjemalloc2`` and
-``libtcmalloc-minimal4``) are preloaded into tritonserver, and through it into every
-Python-backend stub, with ``LD_PRELOAD``; vLLM's CPU build recommends the same for its
-worker. Which one is fastest here is a measurement (docs/BENCHMARKS.md, "peers").
+jemalloc and tcmalloc (Debian's ``libjemalloc2`` and ``libtcmalloc-minimal4``) are
+preloaded into tritonserver, and through it into every Python-backend stub, with
+``LD_PRELOAD``; vLLM's CPU build recommends the same for its worker. ``auto`` (the
+default) takes jemalloc where the host has it, else glibc's malloc: jemalloc measured
+fastest through the server here (docs/BENCHMARKS.md, "Cores, threads and the allocator").
 
 >>> preload_env({"LD_PRELOAD": "/x.so"}, "/usr/lib/libjemalloc.so.2")["LD_PRELOAD"]
 '/usr/lib/libjemalloc.so.2:/x.so'
@@ -20,7 +21,8 @@ LIBRARIES = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
 }
-CHOICES = ("system", *LIBRARIES)
+CHOICES = ("auto", "system", *LIBRARIES)
+AUTO = "jemalloc"   # what auto takes where it is installed
 PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 
 
@@ -35,9 +37,15 @@ def _lib_dirs() -> list[Path]:
 
 
 def find_allocator(name: str, dirs: list[Path] | None = None) -> str | None:
-    """The path of ``name``'s library to preload; None for "system" (glibc's malloc)."""
+    """The path of ``name``'s library to preload; None for "system" (glibc's malloc), and
+    for "auto" where :data:`AUTO` is not installed."""
     if name == "system":
         return None
+    if name == "auto":
+        try:
+            return find_allocator(AUTO, dirs)
+        except AllocatorNotFound:
+            return None
     if name not in LIBRARIES:
         raise AllocatorNotFound(f"--malloc {name!r}: allowed: {', '.join(CHOICES)}")
     for d in dirs if dirs is not None else _lib_dirs():

@@ -60,6 +60,17 @@ _SIGNAL_LINE = re.compile(rb"Signal \((\d+)\) received")
 _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def unavailable(states: dict[str, set[str]], served) -> list[str]:
+    """The served models with no version READY or LOADING (unloaded, unloading for good,
+    or failed); a model the index does not list is not counted.
+
+    >>> unavailable({"decode": {"UNAVAILABLE"}, "llm": {"READY", "UNLOADING"}, "x": {"LOADING"}},
+    ...             ["decode", "llm", "x", "other"])
+    ['decode']
+    """
+    return [m for m in served if m in states and not states[m] & {"READY", "LOADING"}]
+
+
 def choose_action(decoupled: bool, exit_status: int | None, can_reload: bool) -> str:
     """What brings a dead stub's model back: ``"reload"`` it, or ``"restart"`` the server."""
     if not can_reload or (decoupled and died_of_signal(exit_status)):
@@ -124,6 +135,7 @@ class Supervisor:
     _recovering: bool = field(default=False, init=False)
     _failed: str = field(default="", init=False)
     _paused: bool = field(default=False, init=False)   # draining: models go on purpose
+    _holding: bool = field(default=False, init=False)  # not ready: an operator unloaded a model
     _last_scan: float = field(default=0.0, init=False)
     _log_offset: int = field(default=0, init=False)
 
@@ -202,11 +214,56 @@ class Supervisor:
                     del self._watched[pid]        # reaped by Triton: an orderly unload
                 elif state.state == "Z":
                     del self._watched[pid]
-                    dead.append((stub, state.exit_status))
+                    if state.exit_status != 0:   # 0: an orderly unload, before Triton reaped it
+                        dead.append((stub, state.exit_status))
         if dead:
             self._on_dead(dead)
         elif time.monotonic() - self._last_scan >= self.rescan_s:
             self._rescan()
+            self._check_unloaded()
+
+    # ---- a model unloaded through the repository API ----------------------------------
+    def _check_unloaded(self) -> None:
+        """A served model that is UNAVAILABLE (unloaded through Triton's repository API, or
+        failed to load) while no stub died: Triton would keep answering ready and fail
+        every request. With the API open to anyone (no admin key) it is reloaded; with
+        a key, only an operator could have unloaded it: the server answers not ready
+        (a marker model that fails to load) until the model is loaded again."""
+        from tandem.client.serve.triton_server import UNLOADED_MODEL
+        try:
+            states = self.server.http.states()
+        except ServerError:
+            return
+        served = self.server.options.models
+        gone = unavailable(states, served)
+        if not gone:
+            if self._holding and all("READY" in states.get(m, {"READY"}) for m in served):
+                log.warning("every served model is loaded again: ready")
+                self.server.release_not_ready(UNLOADED_MODEL)
+                self._holding = False
+            return
+        if self.server.http.admin_key:
+            if not self._holding:
+                log.warning("%s unloaded through the repository API (with the admin key): not ready until "
+                            "loaded again", ", ".join(repr(m) for m in gone))
+                self.server.hold_not_ready(UNLOADED_MODEL)
+                self._holding = True
+            return
+        log.warning("%s unloaded through the repository API, which is open (no --admin-key): reloading",
+                    ", ".join(repr(m) for m in gone))
+        ensembles = set(self.server.options.ensembles)
+        for model in sorted(gone, key=lambda m: m in ensembles):   # the steps before the ensembles
+            if unavailable(self._states(), [model]):
+                try:
+                    self.server.http.load(model, timeout_s=self.server.ready_timeout_s)
+                except ServerError as exc:
+                    log.warning("reloading %r: %s", model, exc)
+
+    def _states(self) -> dict[str, set[str]]:
+        try:
+            return self.server.http.states()
+        except ServerError:
+            return {}
 
     def _on_dead(self, dead: list[tuple[Stub, int]]) -> None:
         can_reload = self.server.model_control_mode == "explicit"

@@ -46,6 +46,14 @@ class TritonHTTP:
         return {m["name"]: (m.get("state", ""), m.get("reason", ""))
                 for m in json.loads(self._post("/v2/repository/index", timeout_s=10))}
 
+    def states(self) -> dict[str, set[str]]:
+        """``{model: the states of its versions}`` from the repository index (during a
+        version roll one version is READY while the other loads or unloads)."""
+        out: dict[str, set[str]] = {}
+        for m in json.loads(self._post("/v2/repository/index", timeout_s=10)):
+            out.setdefault(m["name"], set()).add(m.get("state", ""))
+        return out
+
     def load(self, model: str, timeout_s: float = 300.0) -> None:
         """Load ``model`` (blocks until Triton loaded it); raises ServerError with Triton's reason."""
         self._post(f"/v2/repository/models/{model}/load", timeout_s=timeout_s)

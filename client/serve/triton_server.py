@@ -63,6 +63,8 @@ _IN_ENGINE = re.compile(r"^tandem_requests_in_engine\{[^}]*\} (\S+)$", re.MULTIL
 DRAIN_QUIET_S = 1.0
 # the model a draining server fails to load: it keeps the server not ready (drain())
 DRAINING_MODEL = "draining"
+# the same while an operator keeps a served model unloaded (the supervisor)
+UNLOADED_MODEL = "operator_unloaded_a_model"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -124,9 +126,10 @@ class TritonServer:
         "'admin-key', gRPC metadata 'triton-grpc-protocol-admin-key'). Bound beyond loopback the server is always locked: without this option it "
         "makes a key and writes it to <run dir>/admin-key"))
     # preloaded into tritonserver and every stub (allocator.py)
-    malloc: str = setting("system", "--malloc", choices=MALLOC_CHOICES, help=(
-        "the memory allocator of tritonserver and its model processes: system (glibc, default), jemalloc or "
-        "tcmalloc (preloaded; Debian's libjemalloc2 / libtcmalloc-minimal4)"))
+    malloc: str = setting("auto", "--malloc", choices=MALLOC_CHOICES, help=(
+        "the memory allocator of tritonserver and its model processes: auto (default: jemalloc where "
+        "installed, else glibc's), system (glibc), jemalloc or tcmalloc (preloaded; Debian's libjemalloc2 / "
+        "libtcmalloc-minimal4)"))
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -194,6 +197,8 @@ class TritonServer:
             self._admin_key, key_file = resolve_key(self.admin_key, self.host, self.run_dir)
         except (AllocatorNotFound, AdminKeyError) as exc:
             raise ServerError(str(exc)) from None
+        log.info("memory allocator: %s", self._preload or "glibc malloc" + (
+            " (jemalloc is not installed: apt-get install libjemalloc2)" if self.malloc == "auto" else ""))
         if key_file is not None:
             log.warning("%s is reachable beyond loopback: Triton's repository, shared-memory, logging and trace "
                         "APIs need the header 'admin-key' with the key in %s (or pass --admin-key)",
@@ -305,13 +310,7 @@ class TritonServer:
         if self.model_control_mode != "explicit":
             log.warning("draining needs --model-control-mode explicit (the repository API); stopping at once")
             return False
-        marker = self._launch_args[2] / DRAINING_MODEL
-        (marker / "1").mkdir(parents=True, exist_ok=True)
-        (marker / "config.pbtxt").write_text(f'name: "{DRAINING_MODEL}"\nbackend: "{DRAINING_MODEL}"\n')
-        try:
-            self.http.load(DRAINING_MODEL, timeout_s=10)
-        except ServerError:
-            pass   # it fails, as it should: "unable to find backend library for backend 'draining'"
+        self.hold_not_ready(DRAINING_MODEL)
         entry = self.options.ensembles or self.options.models
         for model in entry:
             try:
@@ -409,6 +408,34 @@ class TritonServer:
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
+
+    def hold_not_ready(self, marker: str) -> None:
+        """Make the server answer not ready, whatever its models: load a model ``marker``
+        that cannot load (Triton's strict readiness counts an unloaded model as fine, a
+        failed one not). Its name says why in the repository index."""
+        path = self._launch_args[2] / marker
+        (path / "1").mkdir(parents=True, exist_ok=True)
+        (path / "config.pbtxt").write_text(f'name: "{marker}"\nbackend: "{marker}"\n')
+        try:
+            self.http.load(marker, timeout_s=10)
+        except ServerError:
+            pass   # it fails, as it should: "unable to find backend library for backend '<marker>'"
+
+    def release_not_ready(self, marker: str) -> None:
+        """Undo :meth:`hold_not_ready`: the server is ready again once its models are.
+        Triton keeps counting a model that failed to load, even once unloaded and gone
+        from the repository, so the marker becomes a model that loads (a Python model
+        that does nothing), is loaded, then unloaded: deliberately unloaded is fine."""
+        path = self._launch_args[2] / marker
+        (path / "config.pbtxt").write_text(
+            f'name: "{marker}"\nbackend: "python"\nmax_batch_size: 0\n'
+            'input [{ name: "x", data_type: TYPE_BOOL, dims: [1] }]\n'
+            'output [{ name: "y", data_type: TYPE_BOOL, dims: [1] }]\n')
+        (path / "1" / "model.py").write_text(
+            "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+        self.http.load(marker, timeout_s=60)
+        self.http.unload(marker)
+        shutil.rmtree(path, ignore_errors=True)   # a restarted server must not load it
 
     def cleanup(self, timeout_s: float | None = None) -> None:
         """Stop (``timeout_s``: as :meth:`stop`), and remove the run directory if this

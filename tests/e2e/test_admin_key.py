@@ -51,3 +51,26 @@ def test_with_the_key_a_roll_works_and_the_servers_own_calls_carry_it(server):
         assert {m.name for m in index.models} >= {"llm", "tandem_colocated"}
     assert "llm" in server.http.index()       # the supervisor's and drain's client sends it
     assert generate(server)
+
+
+def test_an_operators_unload_makes_the_server_not_ready_until_the_model_is_back(server):
+    """With the key only an operator can unload a model: the supervisor does not undo it,
+    but the server stops answering ready (Triton alone would keep answering 200 while
+    every request fails) until the model is loaded again."""
+    from .triton_calls import eventually, http_get
+    assert load_model(server, "llm", action="unload", headers={"admin-key": KEY}) == 200
+    def ready(expected: bool):
+        def check():
+            assert (http_get(f"http://{server.http_url}/v2/health/ready")[0] == 200) is expected
+        return check
+    def held():   # the unload done, the marker that keeps the server not ready loaded (and failed)
+        index = server.http.index()
+        assert index["llm"][0] == "UNAVAILABLE" and "operator_unloaded_a_model" in index, index
+    eventually(held)
+    ready(False)()
+    index = server.http.index()   # the ensembles on llm went with it: every one comes back
+    for model in sorted((m for m in server.options.models if index[m][0] == "UNAVAILABLE"),
+                        key=lambda m: m in server.options.ensembles):
+        assert load_model(server, model, headers={"admin-key": KEY}) == 200
+    eventually(ready(True))
+    assert generate(server)
