@@ -1,10 +1,12 @@
 """The memory allocator tritonserver and its model processes run with (``--malloc``).
 
-jemalloc and tcmalloc (Debian's ``libjemalloc2`` and ``libtcmalloc-minimal4``) are
-preloaded into tritonserver, and through it into every Python-backend stub, with
-``LD_PRELOAD``; vLLM's CPU build recommends the same for its worker. ``auto`` (the
-default) takes jemalloc where the host has it, else glibc's malloc: jemalloc measured
-fastest through the server here (docs/BENCHMARKS.md, "Cores, threads and the allocator").
+glibc's malloc is the default. jemalloc and tcmalloc (Debian's ``libjemalloc2`` and
+``libtcmalloc-minimal4``) are preloaded into tritonserver, and through it into every
+Python-backend stub, with ``LD_PRELOAD``; vLLM's CPU build recommends the same for its
+worker. Neither is the default: jemalloc measured 1.05-1.15x glibc's tokens through the
+server, but under it tritonserver 2.51 answers a request error (HTTP 400) with 500, so
+something in it depends on what freed memory holds; tcmalloc measured within noise
+(docs/BENCHMARKS.md, "The real model: placement and allocator").
 
 >>> preload_env({"LD_PRELOAD": "/x.so"}, "/usr/lib/libjemalloc.so.2")["LD_PRELOAD"]
 '/usr/lib/libjemalloc.so.2:/x.so'
@@ -21,8 +23,7 @@ LIBRARIES = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
 }
-CHOICES = ("auto", "system", *LIBRARIES)
-AUTO = "jemalloc"   # what auto takes where it is installed
+CHOICES = ("system", *LIBRARIES)
 PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 
 
@@ -37,15 +38,9 @@ def _lib_dirs() -> list[Path]:
 
 
 def find_allocator(name: str, dirs: list[Path] | None = None) -> str | None:
-    """The path of ``name``'s library to preload; None for "system" (glibc's malloc), and
-    for "auto" where :data:`AUTO` is not installed."""
+    """The path of ``name``'s library to preload; None for "system" (glibc's malloc)."""
     if name == "system":
         return None
-    if name == "auto":
-        try:
-            return find_allocator(AUTO, dirs)
-        except AllocatorNotFound:
-            return None
     if name not in LIBRARIES:
         raise AllocatorNotFound(f"--malloc {name!r}: allowed: {', '.join(CHOICES)}")
     for d in dirs if dirs is not None else _lib_dirs():

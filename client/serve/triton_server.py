@@ -126,10 +126,10 @@ class TritonServer:
         "'admin-key', gRPC metadata 'triton-grpc-protocol-admin-key'). Bound beyond loopback the server is always locked: without this option it "
         "makes a key and writes it to <run dir>/admin-key"))
     # preloaded into tritonserver and every stub (allocator.py)
-    malloc: str = setting("auto", "--malloc", choices=MALLOC_CHOICES, help=(
-        "the memory allocator of tritonserver and its model processes: auto (default: jemalloc where "
-        "installed, else glibc's), system (glibc), jemalloc or tcmalloc (preloaded; Debian's libjemalloc2 / "
-        "libtcmalloc-minimal4)"))
+    malloc: str = setting("system", "--malloc", choices=MALLOC_CHOICES, help=(
+        "the memory allocator of tritonserver and its model processes: system (glibc, default), jemalloc or "
+        "tcmalloc (preloaded; Debian's libjemalloc2 / libtcmalloc-minimal4; jemalloc makes tritonserver "
+        "2.51 answer request errors with HTTP 500 instead of 400)"))
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _owns_run_dir: bool = field(default=False, init=False, repr=False)
@@ -197,8 +197,8 @@ class TritonServer:
             self._admin_key, key_file = resolve_key(self.admin_key, self.host, self.run_dir)
         except (AllocatorNotFound, AdminKeyError) as exc:
             raise ServerError(str(exc)) from None
-        log.info("memory allocator: %s", self._preload or "glibc malloc" + (
-            " (jemalloc is not installed: apt-get install libjemalloc2)" if self.malloc == "auto" else ""))
+        if self._preload:
+            log.info("memory allocator: %s", self._preload)
         if key_file is not None:
             log.warning("%s is reachable beyond loopback: Triton's repository, shared-memory, logging and trace "
                         "APIs need the header 'admin-key' with the key in %s (or pass --admin-key)",

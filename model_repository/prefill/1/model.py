@@ -2,9 +2,9 @@
 The model's config picks its role (local prefill, or forwarding to prefill servers),
 so this adapter hands each call to the one it picked."""
 
-from tandem.backends.triton import crash_traces
+from tandem.backends.triton.crash_traces import enable as enable_crash_traces
 
-crash_traces.enable()   # a crash leaves its Python stacks in the server log
+enable_crash_traces()   # a crash leaves its Python stacks in the server log
 
 from tandem.backends.triton.prefill_model import prefill_model_for  # noqa: E402
 

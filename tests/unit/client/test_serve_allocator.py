@@ -17,16 +17,10 @@ def test_the_first_library_found_is_preloaded_before_the_callers(tmp_path):
     assert find_allocator("system", [tmp_path]) is None
 
 
-def test_auto_takes_jemalloc_where_installed_else_glibc(tmp_path):
-    assert find_allocator("auto", [tmp_path]) is None
-    (tmp_path / "libjemalloc.so.2").write_bytes(b"")
-    assert find_allocator("auto", [tmp_path]) == str(tmp_path / "libjemalloc.so.2")
-
-
 def test_a_missing_allocator_names_its_package(tmp_path):
     with pytest.raises(AllocatorNotFound, match="apt-get install libjemalloc2"):
         find_allocator("jemalloc", [tmp_path])
-    with pytest.raises(AllocatorNotFound, match="allowed: auto, system, jemalloc, tcmalloc"):
+    with pytest.raises(AllocatorNotFound, match="allowed: system, jemalloc, tcmalloc"):
         find_allocator("mimalloc", [tmp_path])
 
 
