@@ -225,12 +225,13 @@ def used_pages(metrics_url: str) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--examples", type=int, default=10_000, help="requests to send (default: 10000)")
+    from tandem.client.bench.args import positive_float, positive_int
+    p.add_argument("--examples", type=positive_int, default=10_000, help="requests to send (default: 10000)")
     p.add_argument("--mode", default="both", choices=["disaggregated", "colocated", "both"],
                    help="the server's mode: both (default) serves every ensemble")
     p.add_argument("--model", default="demo", help="the served checkpoint (default: the demo target)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-timeout", type=float, default=120.0,
+    p.add_argument("--request-timeout", type=positive_float, default=120.0,
                    help="seconds a request may take before it counts as unanswered")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
