@@ -150,6 +150,7 @@ def grpc_stream(url: str, model: str, spec, timeout_s: float) -> tuple[str, str]
 def targets(server, openai_url: str | None) -> list[str]:
     """The interfaces this server has."""
     out = [f"http:{m}" for m in server.options.ensembles]
+    out += [f"http-typed:{m}" for m in server.options.ensembles]
     out += [f"grpc:{m}" for m in server.options.ensembles]
     if openai_url:
         out += ["openai:completions", "openai:chat", "openai:raw"]
@@ -166,8 +167,8 @@ def send_one(target: str, data, server, openai_url: str | None, timeout_s: float
         sent = data.draw(openai_body(name))
         path = "completions" if name == "completions" else "chat/completions"
         return (*classify_http(*post(f"{openai_url}/{path}", encode(sent), timeout_s)), sent)
-    if kind == "http":
-        sent = data.draw(triton_generate_body(text_model=name != "tandem_tokens"))
+    if kind in ("http", "http-typed"):
+        sent = data.draw(triton_generate_body(text_model=name != "tandem_tokens", typed=kind == "http-typed"))
         url = f"http://{server.http_url}/v2/models/{name}/generate"
         return (*classify_http(*post(url, encode(sent), timeout_s)), sent)
     sent = data.draw(grpc_request)

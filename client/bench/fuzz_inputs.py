@@ -5,7 +5,9 @@ requests to each of the server's interfaces (pure: no server here).
   plausible value or an adversarial one (huge, negative, NaN and infinities, wrong types,
   deep nesting, huge strings, grammars that explode), plus unknown fields and raw bodies
   that are no JSON at all (invalid UTF-8, truncated).
-- **Triton's HTTP generate** endpoint of an ensemble: its inputs as JSON, the same way.
+- **Triton's HTTP generate** endpoint of an ensemble: its inputs as JSON, the same way,
+  and with every value of its input's JSON type but out of range (``typed``: past
+  Triton's own parser, into the models' checks).
 - **gRPC streams** to an ensemble: each input as a tensor of a random dtype and shape.
 
 Plausible values keep ``max_tokens`` small, so that requests the server accepts end fast.
@@ -99,20 +101,40 @@ def openai_body(kind: str) -> st.SearchStrategy:
     return st.fixed_dictionaries({"model": field(st.just("tandem")), **base}, optional=_SAMPLING)
 
 
-def triton_generate_body(text_model: bool) -> st.SearchStrategy:
-    """A JSON body for Triton's ``/v2/models/<ensemble>/generate``."""
-    prompt = ({"text_input": field(_text)} if text_model
-              else {"input_ids": field(st.lists(st.integers(min_value=0, max_value=300), min_size=1, max_size=8))})
-    optional = {"max_tokens": _SAMPLING["max_tokens"], "temperature": _SAMPLING["temperature"],
-                "top_p": _SAMPLING["top_p"], "top_k": _SAMPLING["top_k"], "seed": _SAMPLING["seed"],
-                "stop_words": _SAMPLING["stop"], "bad_words": _SAMPLING["stop"],
-                "num_return_sequences": _SAMPLING["n"], "min_tokens": _SAMPLING["min_tokens"],
-                "repetition_penalty": _SAMPLING["repetition_penalty"],
-                "presence_penalty": _SAMPLING["presence_penalty"],
-                "frequency_penalty": _SAMPLING["frequency_penalty"],
-                "return_log_probs": field(st.booleans()), "exclude_input_in_output": field(st.booleans()),
-                "stream": field(st.booleans()), "guided_decoding_backend": adversarial,
-                "no_such_input": adversarial}
+# values of the type an input declares, out of its range: they pass Triton's own JSON
+# parser (which answers a wrong JSON type itself, with 500) and reach the models' checks
+_int32 = st.one_of(st.integers(min_value=1, max_value=6), st.integers(min_value=-2 ** 31, max_value=2 ** 31 - 1))
+_fp32 = st.one_of(st.floats(min_value=0, max_value=2), st.floats(allow_nan=True, allow_infinity=True, width=32))
+_uint64 = st.integers(min_value=0, max_value=2 ** 64 - 1)
+_words = st.lists(st.one_of(st.text(max_size=5), st.just(HUGE_TEXT)), max_size=3)
+
+
+def triton_generate_body(text_model: bool, typed: bool = False) -> st.SearchStrategy:
+    """A JSON body for Triton's ``/v2/models/<ensemble>/generate``: ``typed`` keeps each
+    input's JSON type (the models judge the values), else any value (Triton's parser)."""
+    def pick(plausible, typed_bad):
+        return st.one_of(plausible, typed_bad) if typed else field(plausible)
+    prompt = ({"text_input": pick(_text, st.just(""))} if text_model
+              else {"input_ids": pick(st.lists(st.integers(min_value=0, max_value=300), min_size=1, max_size=8),
+                                      st.lists(st.integers(min_value=-2 ** 31, max_value=2 ** 31 - 1),
+                                               max_size=3000))})
+    optional = {"max_tokens": pick(st.integers(min_value=1, max_value=6), _int32),
+                "temperature": pick(st.floats(min_value=0, max_value=2), _fp32),
+                "top_p": pick(st.floats(min_value=0.01, max_value=1), _fp32),
+                "top_k": pick(st.integers(min_value=0, max_value=50), _int32),
+                "seed": pick(st.integers(min_value=0, max_value=2 ** 32), _uint64),
+                "stop_words": pick(st.lists(st.text(min_size=1, max_size=5), max_size=3), _words),
+                "bad_words": pick(st.lists(st.text(min_size=1, max_size=5), max_size=3), _words),
+                "num_return_sequences": pick(st.integers(min_value=1, max_value=2), _int32),
+                "min_tokens": pick(st.integers(min_value=0, max_value=3), _int32),
+                "repetition_penalty": pick(st.floats(min_value=0.5, max_value=2), _fp32),
+                "presence_penalty": pick(st.floats(min_value=-2, max_value=2), _fp32),
+                "frequency_penalty": pick(st.floats(min_value=-2, max_value=2), _fp32),
+                "return_log_probs": pick(st.booleans(), st.booleans()),
+                "exclude_input_in_output": pick(st.booleans(), st.booleans()),
+                "stream": pick(st.booleans(), st.booleans())}
+    if not typed:
+        optional |= {"guided_decoding_backend": adversarial, "no_such_input": adversarial}
     return st.fixed_dictionaries(prompt, optional=optional)
 
 
