@@ -32,7 +32,6 @@ import traceback
 import triton_python_backend_utils as pb_utils
 
 from .inputs import input_getter
-from . import crash_traces
 from .cancel_channel import CANCEL_TOKEN, CancelListener
 from .generate_request import RequestError, parse_token_request, scalar
 from .in_flight import InFlight
@@ -59,7 +58,6 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import torch
 
-        crash_traces.enable()   # also when this module is used without model.py's entry
         model_config = json.loads(args["model_config"])
         name, version = args.get("model_name", "llm"), str(args.get("model_version", "1"))
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import re
 import time
 import urllib.error
 import urllib.request
@@ -175,11 +176,10 @@ def send_one(target: str, data, server, openai_url: str | None, timeout_s: float
     return (*grpc_stream(server.grpc_url, name, sent, timeout_s), sent)
 
 
-def fuzz(server, openai_url: str | None, examples: int, seed_: int, timeout_s: float,
+def fuzz(server, openai_url: str | None, examples: int, seed_value: int, timeout_s: float,
          progress=None) -> Tally:
     """``examples`` requests, the interface of each drawn at random; a Tally of what came back."""
     from hypothesis import HealthCheck, Phase, given, seed, settings, strategies as st
-    seed_value = seed_
 
     tally, names = Tally(), targets(server, openai_url)
 
@@ -214,15 +214,13 @@ def leftovers(server) -> list[str]:
                        f"in use or reserved, ready: {server.is_ready()}"]
 
 
+_HELD_PAGES = re.compile(r'^tandem_kv_pages\{[^}]*state="(?:in_use|reserved)"[^}]*\} (\S+)$', re.MULTILINE)
+
+
 def used_pages(metrics_url: str) -> float | None:
-    import re
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=2) as r:
-            text = r.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return None
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^tandem_kv_pages\{[^}]*state="(?:in_use|reserved)"[^}]*\} (\S+)$', text, re.MULTILINE))
+    """KV pages in use or reserved, over every engine model."""
+    from tandem.client.serve.triton_server import metric_sum
+    return metric_sum(metrics_url, _HELD_PAGES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -47,7 +47,8 @@ DEFAULT_OUT = Path("docs/bench/peers.json")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # tandem: `tandem serve` in --tandem-mode; the variants beside it, each the same server
 # with other options: to compare placements and allocators in one run
-VARIANTS = {"tandem-colocated": ("--mode", "colocated"), "tandem-jemalloc": ("--malloc", "jemalloc"),
+# (tandem-colocated's --mode comes from tandem_mode, as --tandem-mode's does)
+VARIANTS = {"tandem-colocated": (), "tandem-jemalloc": ("--malloc", "jemalloc"),
             "tandem-tcmalloc": ("--malloc", "tcmalloc")}
 SERVERS = ("vllm", "tandem", *VARIANTS)
 DEFAULT_SERVERS = "vllm,tandem"
@@ -158,8 +159,7 @@ def start_group(stack: ExitStack, cfgs, args, work: Path, vllm_python: Path | No
             served = args._model_dir if args.model == "demo" else args.model
             cmd, env = ps.tandem_command(served, port, args.dtype, method, args.k, tandem_mode(server, args),
                                          run_dir), ps.tandem_env(tandem_path)
-            if server != "tandem-colocated":
-                cmd += VARIANTS.get(server, ())
+            cmd += VARIANTS.get(server, ())
             if method == "draft_target":
                 cmd += ["--draft-model", str(args.draft)]
         launches[(server, method)] = (name, cmd, env, port)

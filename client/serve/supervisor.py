@@ -230,9 +230,8 @@ class Supervisor:
         a key, only an operator could have unloaded it: the server answers not ready
         (a marker model that fails to load) until the model is loaded again."""
         from tandem.client.serve.triton_server import UNLOADED_MODEL
-        try:
-            states = self.server.http.states()
-        except ServerError:
+        states = self._states()
+        if states is None:
             return
         served = self.server.options.models
         gone = unavailable(states, served)
@@ -253,17 +252,18 @@ class Supervisor:
                     ", ".join(repr(m) for m in gone))
         ensembles = set(self.server.options.ensembles)
         for model in sorted(gone, key=lambda m: m in ensembles):   # the steps before the ensembles
-            if unavailable(self._states(), [model]):
+            if unavailable(self._states() or {}, [model]):
                 try:
                     self.server.http.load(model, timeout_s=self.server.ready_timeout_s)
                 except ServerError as exc:
                     log.warning("reloading %r: %s", model, exc)
 
-    def _states(self) -> dict[str, set[str]]:
+    def _states(self) -> dict[str, set[str]] | None:
+        """The repository's model states; None while the server does not answer."""
         try:
             return self.server.http.states()
         except ServerError:
-            return {}
+            return None
 
     def _on_dead(self, dead: list[tuple[Stub, int]]) -> None:
         can_reload = self.server.model_control_mode == "explicit"

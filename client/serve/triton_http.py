@@ -41,16 +41,18 @@ class TritonHTTP:
         with urllib.request.urlopen(f"http://{self.url}/v2/models/{model}/config", timeout=10) as r:
             return json.loads(r.read())
 
+    def _index_entries(self) -> list[dict]:
+        return json.loads(self._post("/v2/repository/index", timeout_s=10))
+
     def index(self) -> dict[str, tuple[str, str]]:
         """``{model: (state, reason)}`` from the repository index."""
-        return {m["name"]: (m.get("state", ""), m.get("reason", ""))
-                for m in json.loads(self._post("/v2/repository/index", timeout_s=10))}
+        return {m["name"]: (m.get("state", ""), m.get("reason", "")) for m in self._index_entries()}
 
     def states(self) -> dict[str, set[str]]:
         """``{model: the states of its versions}`` from the repository index (during a
         version roll one version is READY while the other loads or unloads)."""
         out: dict[str, set[str]] = {}
-        for m in json.loads(self._post("/v2/repository/index", timeout_s=10)):
+        for m in self._index_entries():
             out.setdefault(m["name"], set()).add(m.get("state", ""))
         return out
 

@@ -73,15 +73,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def requests_in_engine(metrics_url: str) -> float | None:
-    """Requests the engine models (``llm``, ``decode``) hold, from their
-    ``tandem_requests_in_engine`` gauges; None when the metrics cannot be read."""
+def metric_sum(metrics_url: str, series: re.Pattern) -> float | None:
+    """The sum of the values ``series`` (a multi-line pattern whose group 1 is the value)
+    matches on the metrics endpoint; None when the metrics cannot be read."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=2) as r:
             text = r.read().decode(errors="replace")
     except (urllib.error.URLError, OSError):
         return None
-    return sum(float(m.group(1)) for m in _IN_ENGINE.finditer(text))
+    return sum(float(m.group(1)) for m in series.finditer(text))
+
+
+def requests_in_engine(metrics_url: str) -> float | None:
+    """Requests the engine models (``llm``, ``decode``) hold, from their
+    ``tandem_requests_in_engine`` gauges; None when the metrics cannot be read."""
+    return metric_sum(metrics_url, _IN_ENGINE)
 
 
 @dataclass(slots=True)
