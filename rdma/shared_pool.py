@@ -404,6 +404,12 @@ class SharedKVPool:
         with self._locked():
             return len(self._cache.chain(list(keys)))
 
+    def cache_pages(self, keys: list[bytes]) -> list[int]:
+        """The pages of ``keys``' longest cached prefix (nothing is taken: for
+        inspection, e.g. a test that corrupts one)."""
+        with self._locked():
+            return [int(p) for p in self._cache.chain(list(keys))]
+
     def become_cache_owner(self, root: bytes) -> None:
         """This process publishes from now on, its chains rooted at ``root`` (its model
         and version); what a previous owner cached is dropped, and reservations that

@@ -62,16 +62,22 @@ def _build_key() -> str:
 
 
 def _put_ninja_on_path() -> None:
-    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package (a
-    dependency) installs it beside the interpreter, which need not be on PATH."""
-    if shutil.which("ninja") is not None:
-        return
+    """torch's extension builder runs ``ninja`` from PATH. Every process must run the same
+    one: ninja 1.12 changed the command hash in ``.ninja_log``, so a process with another
+    ninja first on its PATH (the system's 1.11 against the ``ninja`` package's 1.13: a shell
+    without the virtualenv's bin, and the Triton stubs with it) sees every command changed
+    and rebuilds the library (10-16 s on 2 cores, in a server's first request). So the
+    ``ninja`` package's (a dependency) goes first whenever it is installed."""
     try:
         import ninja
         bin_dir = ninja.BIN_DIR
     except (ImportError, AttributeError):
+        if shutil.which("ninja") is not None:
+            return
         bin_dir = os.path.dirname(sys.executable)
-    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
 @functools.cache

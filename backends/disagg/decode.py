@@ -14,7 +14,7 @@ from tandem.rdma.wire import MalformedMessage
 from ..engine.async_engine import AsyncEngine
 from ..engine.config import EngineConfig
 from ..engine.prefix_caching import model_root
-from ..engine.remote_prefill import KVTransferFailed
+from ..engine.remote_prefill import RECOMPUTE, KVTransferFailed
 from .kv_views import shared_page_pool
 from .pool import TARGET
 from .shared_cache import SharedCachingAllocator
@@ -120,10 +120,13 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
     """An :class:`AsyncEngine` whose target KV (and with ``speculative`` in
     ``engine_args`` the proposer's) lives in ``pool`` (not started). With
     ``enable_prefix_caching`` (the default) and a pool that has a prefix cache, the
-    engine caches prompt pages in the pool, where kv_transfer finds them."""
+    engine caches prompt pages in the pool, where kv_transfer finds them;
+    ``kv_load_failure_policy`` (``recompute``, the default, or ``fail``): what a request
+    whose transfer failed gets (:mod:`tandem.backends.engine.remote_prefill`)."""
     m = pool.model(TARGET)
     engine_args = {**engine_args, "page_size": m.page_size, "kv_layout": m.kv_layout}
     engine_args.pop("num_pages", None)   # the pool's
+    failure_policy = engine_args.pop("kv_load_failure_policy", RECOMPUTE)
     config = EngineConfig(str(model_dir), **engine_args)
     if config.enable_prefix_caching and pool.caching:
         allocator = SharedCachingAllocator(pool, model_root(config))
@@ -138,4 +141,5 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
                              f"{spec.kv_name!r}; the shared pool holds {have}")
         proposer_pool = shared_page_pool(pool, rank, spec.kv_name)
     return AsyncEngine(model_dir, kv_pool=shared_page_pool(pool, rank, TARGET),
-                       allocator=allocator, proposer_kv_pool=proposer_pool, **engine_args)
+                       allocator=allocator, proposer_kv_pool=proposer_pool,
+                       kv_load_failure_policy=failure_policy, **engine_args)

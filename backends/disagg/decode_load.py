@@ -35,7 +35,7 @@ from tandem.rdma.pool_layout import SHM_DIR, pid_exists
 from .routing import DecodeLoad
 
 # prefill_tokens, updated (monotonic ns), writer pid, prompt tokens taken in (cumulative),
-# the remote prefill side down until (monotonic ns; 0: up), sequences in decode's batch
+# (unused: was the prefill side's down word, now kv_transfer's own), sequences in decode's batch
 _WORDS = 6
 
 
@@ -89,15 +89,6 @@ class DecodeLoadBoard:
         """Whether decode holds no sequence in its batch (or its writer is gone)."""
         pid = int(self._words[2])
         return int(self._words[5]) == 0 or (pid != 0 and not pid_exists(pid))
-
-    def prefill_down_until(self, until_ns: int) -> None:
-        """The prefill router's word (another process than decode's): its prefill
-        servers took no job and are not worth another try before ``until_ns``
-        (``time.monotonic_ns()``; 0: up again)."""
-        self._words[4] = until_ns
-
-    def prefill_down(self, now_ns: int | None = None) -> bool:
-        return int(self._words[4]) > (time.monotonic_ns() if now_ns is None else now_ns)
 
     def taken_in(self) -> tuple[int, int]:
         """(writer pid, its cumulative count of prompt tokens taken in)."""

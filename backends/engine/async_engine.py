@@ -11,9 +11,10 @@ from .inbox import Inbox
 from .isolation import describe
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .prefix_caching import CachedPageChanged
 from .messages import Abort, AddRemote, AddRequest, EngineMessage, OutputCallback
 from .params import SamplingParams
-from .remote_prefill import KVTicket, PendingPrefills
+from .remote_prefill import RECOMPUTE, KVTicket, PendingPrefills
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,18 @@ class AsyncEngine:
     """
 
     def __init__(self, model_dir: str, kv_pool=None, allocator=None, proposer_kv_pool=None,
-                 on_fatal: FatalCallback | None = None, **engine_args):
+                 on_fatal: FatalCallback | None = None, kv_load_failure_policy: str = RECOMPUTE,
+                 **engine_args):
         """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...);
         ``kv_pool``, ``allocator`` (and ``proposer_kv_pool`` with speculation) put the KV
-        on an external (shared) pool."""
+        on an external (shared) pool; ``kv_load_failure_policy``: what a request whose
+        transfer failed gets (:mod:`.remote_prefill`)."""
         self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator,
                                 proposer_kv_pool)
         self.on_fatal = on_fatal
         self.failure: BaseException | None = None   # why the loop stopped, if it failed
-        self._pending = PendingPrefills()   # waiting for their KV (disaggregated prefill)
+        # waiting for their KV (disaggregated prefill)
+        self._pending = PendingPrefills(kv_load_failure_policy)
         self._callbacks: dict[str, OutputCallback] = {}
         self._inbox: Inbox[EngineMessage] = Inbox()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -88,6 +92,11 @@ class AsyncEngine:
     def transfer_failures(self) -> dict[str, int]:
         """Requests whose prompt KV never arrived, by reason code, since start."""
         return dict(self._pending.failures)
+
+    @property
+    def transfer_recomputes(self) -> int:
+        """Of those, the requests this engine prefilled itself (the ``recompute`` policy)."""
+        return self._pending.recomputed
 
     def start(self) -> None:
         self._thread.start()
@@ -146,6 +155,9 @@ class AsyncEngine:
         for seq, pages, num_cached in self._pending.ready():
             try:
                 self.engine.add_prefilled(seq, pages, num_cached)
+            except CachedPageChanged as exc:   # its pages are given back: compute it here
+                log.warning("%s", exc)
+                self._pending.recompute(seq)
             except ValueError:
                 log.exception("request %s: the transferred KV cannot be admitted", seq.request_id)
                 self.engine.allocator.free(pages)
@@ -154,6 +166,14 @@ class AsyncEngine:
                 ended.append((self._callbacks.pop(seq.request_id), out))
         for out in self._pending.take_failed():
             ended.append((self._callbacks.pop(out.request_id), out))
+        for seq in self._pending.take_recompute():
+            try:
+                self.engine.add(seq)
+            except ValueError as exc:
+                log.exception("request %s: its prompt cannot be prefilled here", seq.request_id)
+                ended.append((self._callbacks.pop(seq.request_id),
+                              _failed(seq.request_id, f"its KV transfer failed and its prompt could "
+                                      f"not be prefilled here ({describe(exc)}); retry", "UNAVAILABLE")))
         return ended
 
     def _handle(self, msg: EngineMessage) -> list[tuple[OutputCallback, RequestOutput]]:

@@ -52,6 +52,9 @@ class EngineConfig:
     # automatic prefix caching (vLLM's name): full pages of computed KV are kept and
     # shared by later prompts with the same prefix (prefix_caching.py)
     enable_prefix_caching: bool = True
+    # the share of prefix-cache hits whose pages' checksums (recorded at publication) are
+    # recomputed before use; a changed page is dropped and recomputed (kv_cache/page_audit.py)
+    kv_audit: float = 0.01
     # the serving model's version: part of every cache key, so a rolled version never
     # reads an older one's KV
     model_version: str = ""
@@ -79,6 +82,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)}; allowed: an integer >= 1")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
+        if not isinstance(self.kv_audit, (int, float)) or not 0.0 <= self.kv_audit <= 1.0:
+            raise ValueError(f"kv_audit={self.kv_audit!r}; allowed: 0 to 1 (the share of prefix-cache "
+                             "hits whose pages are checked)")
 
     def compiles(self) -> bool:
         """Whether the engine compiles its decode step (a CPU with a C++ compiler for

@@ -22,7 +22,7 @@ from .kv_pool import check_pool_fits, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
 from .outputs import OutputProcessor, RequestOutput, sequence_logprobs
 from .params import SamplingParams
-from .prefix_caching import PrefixCaching
+from .prefix_caching import CachedPageChanged, PrefixCaching
 from .proposers import build_proposer
 from .request_limits import MAX_LOOKAHEAD_SLOTS, lookahead_slots
 from .sampler import sample
@@ -73,7 +73,8 @@ class LLMEngine:
             if spec.enabled else None
         self.spec_metrics = SpecDecodeMetrics(k)
         self.num_lookahead_slots = lookahead_slots(spec)
-        self.prefix = PrefixCaching.for_config(config, self.allocator) \
+        cached_pools = [self.pool] + ([proposer.runner.pool] if spec.enabled and spec.has_kv else [])
+        self.prefix = PrefixCaching.for_config(config, self.allocator, cached_pools) \
             if config.enable_prefix_caching and isinstance(self.allocator, CachingKVAllocator) else None
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.num_lookahead_slots, self.prefix)
@@ -139,6 +140,13 @@ class LLMEngine:
         expected = pages_needed(n - 1, self.config.page_size)
         if len(pages) != expected:
             raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected {expected}")
+        if self.prefix is not None and num_cached_pages:
+            # the pages kv_transfer shared from this engine's cache, audited as a hit is
+            kept = self.prefix.audited(pages[:num_cached_pages])   # gives back the cut ones
+            if len(kept) < num_cached_pages:
+                self.allocator.free(kept + pages[num_cached_pages:])
+                raise CachedPageChanged(f"request {seq.request_id!r}: cached page {pages[len(kept)]} "
+                                        "changed since it was published; prefilling afresh")
         seq.pages, seq.num_computed = list(pages), n - 1
         if self.spec is not None:
             # the prefill filled the proposer's KV for the same tokens (its rows 0..n-2)

@@ -92,6 +92,10 @@ class ModelRunner:
         pack_linears(model)   # inference only from here: oneDNN's packed bf16 weights
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cpu":
+            # built (or loaded) now, not in the first request's step: a build takes seconds
+            from ..attention import cpu_kernel
+            cpu_kernel.load()
         # FlashInfer wants a 128 MiB scratch buffer on GPU; the torch path ignores it
         nbytes = 128 << 20 if self.device.type == "cuda" else 8
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

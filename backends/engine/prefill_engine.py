@@ -124,7 +124,8 @@ class PrefillEngine:
             p = load_proposer_model(spec, model, config.dtype, config.device)
             proposer = (spec.kv_name, ProposerPrefill(
                 p, model, kv_page_pool(config, p.config, pool.num_pages, dtype)))
-        prefix = (PrefixCaching.for_config(config, allocator)
+        cached_pools = [pool] + ([proposer[1].pool] if proposer is not None else [])
+        prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
                   if isinstance(allocator, CachingKVAllocator) else None)
         return cls(model, pool, allocator, config.max_num_batched_tokens,
                    config.max_num_seqs, hooks, proposer, prefix)

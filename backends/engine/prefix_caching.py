@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..kv_cache.page_audit import PageAudit
 from ..kv_cache.page_hash import page_keys, root_key
 from ..kv_cache.prefix_cache import CachingKVAllocator
 from .config import EngineConfig
@@ -70,6 +71,11 @@ def model_root(config: EngineConfig) -> bytes:
     return root_key(model_fingerprint(config), config.model_version)
 
 
+class CachedPageChanged(ValueError):
+    """A cached page a request was given changed since it was published (the audit's
+    finding): the request must compute its prompt afresh."""
+
+
 @dataclass(slots=True)
 class PrefixCaching:
     """Prefix caching on ``allocator`` for sequences of one engine; ``extra_keys`` (the
@@ -86,15 +92,21 @@ class PrefixCaching:
     extra_keys: tuple
     lookahead: int = 0          # tokens after a page its KV depends on (MTP: 1)
     proposer_kv: bool = False   # a draft model's or MTP head's KV is cached too
+    # checksums of published pages, checked on a share of hits (kv_audit; None: off)
+    audit: PageAudit | None = None
 
     @classmethod
-    def for_config(cls, config: EngineConfig, allocator: CachingKVAllocator) -> "PrefixCaching":
+    def for_config(cls, config: EngineConfig, allocator: CachingKVAllocator,
+                   pools: list = ()) -> "PrefixCaching":
         """The keys an engine of ``config`` makes: its model fingerprint and version, one
-        token of lookahead with an MTP head, the proposer's KV cached with a KV proposer."""
+        token of lookahead with an MTP head, the proposer's KV cached with a KV proposer;
+        with ``pools`` (the KV page pools the cache covers) and ``config.kv_audit`` > 0,
+        published pages are checksummed and hits audited."""
         spec = config.speculative
         on = spec is not None and spec.enabled
+        audit = PageAudit(list(pools), config.kv_audit) if pools and config.kv_audit > 0 else None
         return cls(allocator, config.page_size, (model_root(config),),
-                   lookahead=key_lookahead(spec), proposer_kv=on and spec.has_kv)
+                   lookahead=key_lookahead(spec), proposer_kv=on and spec.has_kv, audit=audit)
 
     # -- on keys and page lists -----------------------------------------------------------
     def keys(self, token_ids: list[int], cache_salt: str | None,
@@ -105,8 +117,20 @@ class PrefixCaching:
                          known, self.lookahead)
 
     def take(self, keys: list[bytes]) -> list[int]:
-        """The pages of the longest cached prefix of ``keys``, each now held once more."""
-        return self.allocator.match(keys)
+        """The pages of the longest cached prefix of ``keys``, each now held once more —
+        short of a page the audit found changed since it was published (that one leaves
+        the cache unless another holder keeps it, and is computed afresh)."""
+        return self.audited(self.allocator.match(keys))
+
+    def audited(self, pages: list[int]) -> list[int]:
+        """``pages`` of a hit (held by the caller), cut before the first one the audit
+        rejects; the rest are given back."""
+        bad = self.audit.cut(pages) if self.audit is not None and pages else None
+        if bad is None:
+            return pages
+        self.allocator.withdraw([pages[bad]])   # unpublished while only this hit holds it
+        self.allocator.free(pages[bad:])
+        return pages[:bad]
 
     def num_publishable(self, computed: int, num_tokens: int) -> int:
         """Full pages whose KV is complete when ``computed`` of ``num_tokens`` known tokens
@@ -117,7 +141,8 @@ class PrefixCaching:
         """Publish ``pages[start:end]`` under ``keys[start:end]`` (a key cached already
         leaves its page private)."""
         for p in range(start, end):
-            self.allocator.publish(pages[p], keys[p])
+            if self.allocator.publish(pages[p], keys[p]) and self.audit is not None:
+                self.audit.record(pages[p])
 
     def withdraw_pages(self, pages: list[int], start: int, end: int) -> int:
         """A request failed or was cancelled: what it published of ``pages[start:end]``
@@ -186,6 +211,8 @@ class PrefixCacheStats:
     hit_tokens: int
     cached_pages: int
     evictions: int
+    audited_pages: int = 0     # pages of hits whose checksum the audit recomputed
+    corrupt_pages: int = 0     # ... found changed since publication (never served)
 
     @property
     def hit_rate(self) -> float:
@@ -194,5 +221,6 @@ class PrefixCacheStats:
     @classmethod
     def of(cls, prefix: PrefixCaching) -> "PrefixCacheStats":
         s, a = prefix.allocator.stats, prefix.allocator
+        audit = prefix.audit
         return cls(s.queried_pages * prefix.page_size, s.hit_pages * prefix.page_size, a.num_cached,
-                   s.evictions)
+                   s.evictions, audit.checked_pages if audit else 0, audit.mismatches if audit else 0)

@@ -25,7 +25,8 @@ reservation to fill and its batch holds ``decode_borrow_min_seqs`` sequences or 
 A descriptor is checked whole before the engine sees it (limits, this pool's slot
 range, page ids and geometry, and the reservation's secret): a forged or stale one is
 refused, alone, with INVALID_ARG. A request that goes away gives its reservation up at
-once. Decode also runs the pool's housekeeping, so a dead kv_transfer's reservations
+once. A request whose transfer fails (a prefill process that died or is restarting) is
+prefilled here instead (``kv_load_failure_policy`` ``recompute``, the default). Decode also runs the pool's housekeeping, so a dead kv_transfer's reservations
 fail and its pages come back without it.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ class TritonPythonModel(_StreamingModel):
         # the pool's prefix cache keys pages by this model's version too
         engine = decode_engine(self.pool, s.model_dir, model_version=self.model_version,
                                compile_thread_counts=(s.threads, s.idle_threads),
-                               **s.engine_kwargs())
+                               kv_load_failure_policy=s.kv_load_failure_policy, **s.engine_kwargs())
         self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
         self.load_board.publish(0)
         engine.step_hook = DecodeStepHook(engine, self.pool, self.load_board,
@@ -60,7 +61,8 @@ class TritonPythonModel(_StreamingModel):
 
     def _poll_metrics(self) -> None:
         self.metrics.poll_engine(self.engine, pool=self.pool,
-                                 failures=self.engine.transfer_failures)
+                                 failures=self.engine.transfer_failures,
+                                 recomputed=self.engine.transfer_recomputes)
 
     def _submit(self, request, parsed, index: int, on_output) -> str:
         from tandem.backends.disagg import SharedPoolTicket

@@ -24,8 +24,13 @@ It also decides where each prompt is prefilled (conditional disaggregation,
 backlog (the pool's reservations still waiting for KV, whether a local prefill process
 or remote prefill servers feed them) and decode's own prefill backlog (its load board).
 A request routed ``local`` reserves nothing: its descriptor is the no-transfer sentinel,
-prefill passes it through, and decode prefills it in its batch. The
-``tandem_disagg_requests_total{path, reason}`` metric counts the decisions.
+and decode prefills it in its batch. A request routed ``remote`` is handed to the prefill
+side here (:mod:`.prefill_handoff`: this server's ``prefill`` model, which is no step of
+the ensembles, or the prefill servers of ``--prefill-endpoints``); when the prefill side
+takes no job (dead, restarting, hung) its reservation is given back and the prompt goes to
+decode after all (``prefill_down``), as every long prompt does until the prefill side is
+worth another try. The ``tandem_disagg_requests_total{path, reason}`` metric counts the
+decisions.
 
 Unloading (a version roll or a reload) drains: the old instance takes no new
 reservations, keeps receiving for the ones in flight until they are claimed or fail
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 import json
 import time
+
+import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
@@ -75,6 +82,12 @@ class TritonPythonModel(PerRequestModel):
         from tandem.backends.disagg.decode_load import InTransit
         self.in_transit = InTransit()
         self.guides = None    # a GuideCompiler, made on the first guided request
+        from .prefill_handoff import prefill_side_for
+        self.prefill_down_until = 0.0   # time.monotonic(): long prompts stay in decode until then
+        self.prefill = prefill_side_for(s, on_down=self._prefill_down)
+        if s.prefill_endpoints:
+            pb_utils.Logger.log_info(f"[kv_transfer] prefilling on {', '.join(self.prefill.endpoints)} "
+                                     f"({s.prefill_routing})")
         if config.faults is not None:
             pb_utils.Logger.log_warn(f"[kv_transfer] fault injection is on: {config.faults}")
 
@@ -93,17 +106,47 @@ class TritonPythonModel(PerRequestModel):
         keys = self._cache_keys(parsed.prompt, parsed.cache_salt)
         cached = self.pool.cache_lookup(keys) * self.page_size if keys else 0
         route = self._route(n, parsed.num_return_sequences, cached)
-        try:
-            desc = NO_TRANSFER if route.path == LOCAL else self.receiver.reserve(
-                n - 1, context_nbytes=(self.context_nbytes,), cached_keys=keys).to_bytes()
-        except PoolExhausted as e:
-            return error_response(
-                f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
-        except ValueError as e:
-            return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
+        desc = NO_TRANSFER
+        if route.path != LOCAL:
+            try:
+                reservation = self.receiver.reserve(n - 1, context_nbytes=(self.context_nbytes,),
+                                                    cached_keys=keys)
+            except PoolExhausted as e:
+                return error_response(
+                    f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)
+            except ValueError as e:
+                return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
+            try:
+                route, desc = self._hand_off(parsed.prompt, reservation, route, parsed.cache_salt)
+            except ValueError as e:   # the prefill side refused the job: it does not fit there
+                return error_response(f"prefill: {e}", pb_utils.TritonError.INVALID_ARG)
         self.metrics.routed(route.path, route.reason)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
+
+    def _hand_off(self, prompt: list[int], reservation, route, cache_salt: str | None):
+        """Give the prefill side the job of ``reservation``: the route and descriptor
+        decode gets — the reservation's, or, when the prefill side took no job, none
+        (the reservation given back) and decode prefills the prompt (``prefill_down``)."""
+        from tandem.backends.disagg.routing import Route
+        from .prefill_router import PrefillUnavailable
+
+        desc = reservation.to_bytes()
+        try:
+            self.prefill.submit(np.asarray(prompt, dtype=np.int32), as_bytes_tensor(desc), cache_salt)
+        except (PrefillUnavailable, ValueError) as e:
+            self.receiver.cancel(reservation.slot, reservation.generation)
+            if isinstance(e, ValueError):
+                raise
+            if e.tried:   # (while it is skipped, every prompt is prefilled in decode unsaid)
+                pb_utils.Logger.log_warn(f"[kv_transfer] {e}: prefilled in decode meanwhile")
+            return Route(LOCAL, "prefill_down"), NO_TRANSFER
+        return route, desc
+
+    def _prefill_down(self, until_s: float | None) -> None:
+        """The prefill side took no job and is not worth another try before ``until_s``
+        (``time.monotonic()``; None: it takes jobs again)."""
+        self.prefill_down_until = until_s or 0.0
 
     def _compile_guide(self, guide):
         """Compile (and cache) a guide as decode will: a bad one is refused here, before
@@ -136,7 +179,7 @@ class TritonPythonModel(PerRequestModel):
         if self.decode_board is None:
             self.decode_board = DecodeLoadBoard.open_if_exists(self.pool.spec.name)
         requests, pages = self.pool.backlog()
-        down = self.decode_board is not None and self.decode_board.prefill_down()
+        down = time.monotonic() < self.prefill_down_until
         prefill = PrefillLoad(requests, pages * self.pool.spec.models[0].page_size, down)
         decode, now = DecodeLoad(), time.monotonic()
         if self.decode_board is not None:
@@ -169,6 +212,8 @@ class TritonPythonModel(PerRequestModel):
                                "(the pool less what running sequences keep)")
 
     def finalize(self) -> None:
+        if getattr(self, "prefill", None) is not None:
+            self.prefill.close()
         receiver, pool = getattr(self, "receiver", None), getattr(self, "pool", None)
         if receiver is not None:
             # a version roll: the transfers this instance started finish (or fail) first

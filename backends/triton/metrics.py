@@ -26,6 +26,7 @@ tandem_spec_method_accepted_tokens_total{method} counter  accepted draft tokens,
 tandem_kv_pages{state}                         gauge      free, reserved, in_use
 tandem_kv_reservations_reclaimed_total         counter    reservations failed or reclaimed (shared pool)
 tandem_kv_transfer_failures_total{reason}      counter    requests whose KV never arrived, by reason
+tandem_kv_transfer_recomputed_total            counter    ... of which decode prefilled the prompt itself
 tandem_engine_dtype_info{dtype}                gauge      1: the dtype the engine runs (``--dtype auto``
                                                           picks it per CPU)
 =============================================  =========  =============================================
@@ -203,9 +204,10 @@ class EngineMetrics(_ModelMetrics):
             metric.increment(1)
 
     # -- polled (the poller thread) -----------------------------------------------------
-    def poll_engine(self, engine, pool=None, failures: dict | None = None) -> None:
+    def poll_engine(self, engine, pool=None, failures: dict | None = None, recomputed: int = 0) -> None:
         """Refresh from an ``AsyncEngine`` (its speculation counters and pages) and, on
-        the disaggregated path, the shared pool and the transfer failures by reason."""
+        the disaggregated path, the shared pool, the transfer failures by reason and how
+        many of them decode recomputed."""
         r, d = self._r, self._deltas
         m = engine.spec_metrics
         if m is not None:
@@ -248,6 +250,10 @@ class EngineMetrics(_ModelMetrics):
             r.metric("tandem_kv_transfer_failures_total", "counter",
                      "requests whose prompt KV never arrived, by reason",
                      reason=reason).increment(d.take(("failure", reason), total))
+        if pool is not None:
+            r.metric("tandem_kv_transfer_recomputed_total", "counter",
+                     "requests whose prompt KV transfer failed and decode prefilled them itself"
+                     ).increment(d.take("recomputed", recomputed))
 
 
 class TransferMetrics(_ModelMetrics):
@@ -286,7 +292,11 @@ def _prefix_cache(r: _Registry, d: Deltas, c) -> None:
             ("tandem_prefix_cache_queries_total", c.queried_tokens,
              "prompt tokens looked up in the prefix cache (full pages, the last token excluded)"),
             ("tandem_prefix_cache_hits_total", c.hit_tokens, "prompt tokens the prefix cache served"),
-            ("tandem_prefix_cache_evictions_total", c.evictions, "cached KV pages evicted for new ones")):
+            ("tandem_prefix_cache_evictions_total", c.evictions, "cached KV pages evicted for new ones"),
+            ("tandem_prefix_cache_audited_pages_total", c.audited_pages,
+             "cached pages of hits whose checksum was recomputed (--kv-audit)"),
+            ("tandem_prefix_cache_corrupt_pages_total", c.corrupt_pages,
+             "cached pages found changed since publication: dropped and recomputed, never served")):
         r.metric(name, "counter", what).increment(d.take(name, total))
     r.metric("tandem_prefix_cache_hit_rate", "gauge",
              "prefix cache hits / queries (tokens) since start").set(c.hit_rate)

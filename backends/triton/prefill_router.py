@@ -45,7 +45,12 @@ LOCAL_WHILE_DOWN_S = 5.0     # after no endpoint took a job, decode prefills its
 
 
 class PrefillUnavailable(RuntimeError):
-    """No prefill endpoint accepted the job; the message lists each endpoint's error."""
+    """No prefill endpoint accepted the job; the message lists each endpoint's error.
+    ``tried``: False when every endpoint was skipped (down), none asked."""
+
+    def __init__(self, message: str, tried: bool = True):
+        super().__init__(message)
+        self.tried = tried
 
 
 class EndpointHealth:
@@ -169,7 +174,7 @@ class PrefillRouter:
             inputs.append(grpcclient.InferInput(CACHE_SALT, [1, 1], "BYTES"))
             inputs[-1].set_data_from_numpy(np.array([[cache_salt.encode()]], dtype=object))
         order, placement = self._order(ids[0].tolist())
-        errors = []
+        errors, tried = [], False
         for i in order:
             url = self.endpoints[i]
             with self._lock:
@@ -178,6 +183,7 @@ class PrefillRouter:
             if down:
                 errors.append(f"{url}: skipped for {down:.1f} s more ({health.last_error})")
                 continue
+            tried = True
             try:
                 self._client(url).infer(self.model, inputs, client_timeout=self.timeout_s)
             except Exception as e:   # unreachable, hung, or the prefill server refused the job
@@ -195,7 +201,7 @@ class PrefillRouter:
         self._on_down(max(retry_at, now + LOCAL_WHILE_DOWN_S))
         # UNAVAILABLE (the model says so): the OpenAI frontend and clients read "retry"
         raise PrefillUnavailable("unavailable: no prefill server took the job: " + "; ".join(errors)
-                                 + "; retry")
+                                 + "; retry", tried)
 
     def close(self) -> None:
         with self._lock:

@@ -74,6 +74,11 @@ def parse_value(f: Field, raw: str):
     kind = str(f.type)
     if kind == "str":
         return raw
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"config.pbtxt: parameter {f.name}={raw!r} is not a number") from None
     if kind == "bool":
         word = raw.lower()
         if word not in _TRUE + _FALSE:
@@ -135,6 +140,10 @@ class EngineSettings:
         "automatic prefix caching: full KV pages a prompt computed are kept and reused by later prompts with the "
         "same prefix (chat turns, system prompts); a request's cache_salt keeps its prefixes to itself "
         "(default: %(default)s)"))
+    kv_audit: float = setting(ENGINE_DEFAULTS["kv_audit"], "--kv-audit", metavar="RATE", help=(
+        "the share (0 to 1) of prefix-cache hits whose pages' checksums, recorded when they were published, are "
+        "recomputed before use; a page that changed is dropped from the cache and recomputed, never served "
+        "(tandem_prefix_cache_corrupt_pages_total) (default: %(default)s; 0: no checksums)"))
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -162,6 +171,11 @@ class EngineSettings:
         "", "--kv-transports", "UCX transports the KV transfer may use (UCX_TLS), e.g. tcp: TCP only, no "
         "shared memory or CMA even where UCX sees one host (network namespaces, containers); rc,ud,sm with "
         "RDMA (default: UCX's choice)", metavar="TLS")
+    kv_load_failure_policy: str = setting(
+        "recompute", "--kv-load-failure-policy", choices=("recompute", "fail"), help=(
+            "a request whose prompt KV transfer failed (the prefill process died or was restarting, the link "
+            "dropped, the transfer timed out): recompute (default): decode prefills the prompt itself and serves "
+            "it; fail: it ends with UNAVAILABLE (vLLM's name)"))
     kv_headroom_pages: int | None = None  # pages reservations leave to running sequences; None: auto
     kv_transfer_timeout_s: int = 10       # a reservation fed nothing this long fails
     kv_drain_s: int = 30                  # an unloading kv_transfer waits this long for its transfers
@@ -209,6 +223,9 @@ class EngineSettings:
         for name in ("kv_transfer_timeout_s", "kv_drain_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"config.pbtxt: kv_load_failure_policy={self.kv_load_failure_policy!r}; "
+                             "allowed: recompute, fail")
         if self.decode_borrow_min_seqs < 0:
             raise ValueError(f"config.pbtxt: decode_borrow_min_seqs={self.decode_borrow_min_seqs}; allowed: >= 0")
         if self.prefill_idle_threads < 0:
@@ -281,7 +298,8 @@ class EngineSettings:
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     speculative=self.speculative(), enable_prefix_caching=self.prefix_caching == "on",
                     compile=self.compile,
-                    compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager)
+                    compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager,
+                    kv_audit=self.kv_audit)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

@@ -38,6 +38,7 @@ ENSEMBLES = {
 DIRECT = {"tandem": "tandem_direct", "tandem_colocated": "tandem_colocated_direct"}
 COLOCATED = ("preprocess", "llm", "postprocess", "cancel", "tandem_colocated", "tandem_colocated_direct")
 PREFILL = ("prefill",)   # a prefill server: decode servers send it jobs (--prefill-endpoints)
+# the disaggregated path; "prefill" is no step of its ensembles: kv_transfer hands it jobs
 DISAGGREGATED = ("preprocess", "kv_transfer", "prefill", "decode", "postprocess", "cancel", "tandem",
                  "tandem_tokens", "tandem_direct")
 # the models each mode serves; "both" puts the two paths side by side for benchmarks
@@ -96,6 +97,8 @@ class ServeOptions:
                 parse_endpoints(self.engine.prefill_endpoints)
             except ValueError as e:
                 raise ServerError(str(e).replace("prefill_endpoints", "--prefill-endpoints")) from None
+            # kv_transfer hands its jobs to the prefill servers: no prefill engine here
+            return tuple(m for m in MODES[self.mode] if m != "prefill") + tuple(self.aliases)
         return MODES[self.mode] + tuple(self.aliases)
 
     @property

@@ -19,7 +19,10 @@ closes that gap:
   load replaces it, then LOADING until it is back. A reload in place (load alone)
   would keep the dead instance READY in the meantime. The ensembles built on the
   model go with it and come back with it. The dead stub's shared-memory region goes
-  once the model is back.
+  once the model is back. A model that is no step of a served ensemble (``prefill``:
+  kv_transfer hands it jobs, and prefills in decode while it cannot take them) is
+  reloaded in place (load alone): every ensemble still runs requests meanwhile, so the
+  server stays ready.
 - **Restart** of tritonserver on the same ports, when a reload cannot help:
   tritonserver itself died (it can: a stub killed while it holds a shared IPC mutex
   makes the server's monitor thread abort on ``boost::interprocess::lock_exception``)
@@ -131,6 +134,7 @@ class Supervisor:
     _watched: dict = field(default_factory=dict, init=False)      # pid -> Stub
     _noticed: set = field(default_factory=set, init=False)        # pids seen dead
     _decoupled: dict = field(default_factory=dict, init=False)    # model -> bool
+    _steps: set = field(default_factory=set, init=False)          # the served ensembles' steps
     _recoveries: list = field(default_factory=list, init=False)
     _recovering: bool = field(default=False, init=False)
     _failed: str = field(default="", init=False)
@@ -143,7 +147,7 @@ class Supervisor:
     def start(self) -> "Supervisor":
         log_file = getattr(self.server, "log_file", None)
         self._log_offset = Path(log_file).stat().st_size if log_file and Path(log_file).exists() else 0
-        self._decoupled = self._transaction_policies()
+        self._decoupled, self._steps = self._read_configs()
         self._rescan()
         self._thread = threading.Thread(target=self._run, name="tandem-supervisor", daemon=True)
         self._thread.start()
@@ -333,16 +337,24 @@ class Supervisor:
 
     def _reload(self, model: str) -> None:
         api = self.server.http
-        try:
-            api.unload(model)        # readiness drops now (the model is UNLOADING)
-        except ServerError as exc:   # already unloading or gone: the load below decides
-            log.info("unloading %r: %s", model, exc)
+        config = None
+        if not self._steps or model in self._steps:   # (not known: as a step)
+            try:
+                api.unload(model)        # readiness drops now (the model is UNLOADING)
+            except ServerError as exc:   # already unloading or gone: the load below decides
+                log.info("unloading %r: %s", model, exc)
+        else:
+            # in place: the dead instance is replaced once the new one is READY. Its own
+            # config goes with the load, marked with this reload: Triton does nothing for a
+            # load of a loaded model whose files and config did not change
+            config = api.model_config(model)
+            config.setdefault("parameters", {})["tandem_reload"] = {"string_value": str(time.time_ns())}
         error = None
         for attempt in range(self.reload_attempts):
             if self._stop.is_set():
                 raise ServerError("stopping")
             try:
-                api.load(model, timeout_s=self.server.ready_timeout_s)
+                api.load(model, timeout_s=self.server.ready_timeout_s, config=config)
                 break
             except ServerError as exc:
                 error = exc
@@ -357,7 +369,9 @@ class Supervisor:
         with self._lock:   # every stub dies with the server: their deaths are seen to
             self._noticed.update(self._watched)
         self.server.relaunch(abort=self._stop)
-        self._decoupled = self._transaction_policies() or self._decoupled
+        decoupled, steps = self._read_configs()
+        if decoupled:
+            self._decoupled, self._steps = decoupled, steps
 
     # ---- what it watches ---------------------------------------------------------
     def _crash_in_log(self) -> str:
@@ -390,14 +404,17 @@ class Supervisor:
                     and (state := proc_state(pid)) is not None and state.ppid == proc.pid}
             self._watched = {**kept, **{s.pid: s for s in stubs}}
 
-    def _transaction_policies(self) -> dict[str, bool]:
-        """``{model: decoupled}`` from Triton's model configs (unknown: decoupled)."""
-        out = {}
+    def _read_configs(self) -> tuple[dict[str, bool], set[str]]:
+        """``{model: decoupled}`` of the served Python models (unknown: decoupled) and the
+        models that are a step of a served ensemble, from Triton's model configs."""
+        decoupled, steps = {}, set()
         for model in self.server.options.models:
             try:
                 cfg = self.server.http.model_config(model)
             except Exception:   # an ensemble that failed, a model not loaded
                 continue
-            if cfg.get("platform") != "ensemble":
-                out[model] = bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))
-        return out
+            if cfg.get("platform") == "ensemble":
+                steps |= {step.get("model_name") for step in cfg.get("ensemble_scheduling", {}).get("step", [])}
+            else:
+                decoupled[model] = bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))
+        return decoupled, steps

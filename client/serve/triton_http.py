@@ -56,19 +56,23 @@ class TritonHTTP:
             out.setdefault(m["name"], set()).add(m.get("state", ""))
         return out
 
-    def load(self, model: str, timeout_s: float = 300.0) -> None:
-        """Load ``model`` (blocks until Triton loaded it); raises ServerError with Triton's reason."""
-        self._post(f"/v2/repository/models/{model}/load", timeout_s=timeout_s)
+    def load(self, model: str, timeout_s: float = 300.0, config: dict | None = None) -> None:
+        """Load ``model`` (blocks until Triton loaded it); raises ServerError with Triton's
+        reason. With ``config`` (a model config, as :meth:`model_config` returns it) a
+        loaded model is loaded again even though its files did not change."""
+        body = {"parameters": {"config": json.dumps(config)}} if config is not None else {}
+        self._post(f"/v2/repository/models/{model}/load", timeout_s=timeout_s, body=body)
 
     def unload(self, model: str, timeout_s: float = 30.0) -> None:
         """Ask Triton to unload ``model`` (it returns at once; the instance goes when idle)."""
         self._post(f"/v2/repository/models/{model}/unload", timeout_s=timeout_s)
 
-    def _post(self, path: str, timeout_s: float) -> bytes:
+    def _post(self, path: str, timeout_s: float, body: dict | None = None) -> bytes:
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
             headers[HEADER] = self.admin_key
-        req = urllib.request.Request(f"http://{self.url}{path}", data=b"{}", method="POST", headers=headers)
+        req = urllib.request.Request(f"http://{self.url}{path}", data=json.dumps(body or {}).encode(),
+                                     method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return r.read()

@@ -1,6 +1,7 @@
 """The decode engine on the shared pool when things go wrong: a cancelled request gives
 its reservation up at once and its prefill stops; a dead kv_transfer's reservation is
-reclaimed by decode's own housekeeping; kv_transfer reserving in another process
+reclaimed by decode's own housekeeping, and its request prefilled by decode (or, under
+the ``fail`` policy, ended with a retryable error); kv_transfer reserving in another process
 never makes a decode step fail; a forged descriptor is refused before the engine
 sees it, and a prefill refuses one that does not fit it."""
 from __future__ import annotations
@@ -86,15 +87,15 @@ def test_a_cancelled_request_frees_its_reservation_and_stops_its_prefill(
     prefill_peer("prefill_start", model_dir, page_size=4, num_pages=32)
 
 
-def test_decode_reclaims_a_dead_kv_transfers_reservation(demo_checkpoint, make_decode_pool,
-                                                         doomed_peer):
-    model_dir = str(demo_checkpoint)
-    pool = make_decode_pool(model_dir)
+def _dead_kv_transfer(model_dir, pool, doomed_peer, **engine_args):
+    """A request whose reservation's owner (kv_transfer) is killed before any KV came:
+    its output and the engine's failure counters, after decode's housekeeping reclaimed
+    the reservation."""
     start = counters(pool)
     rx = doomed_peer("kv_transfer-doomed")
     rx("rx_start", pool.spec.name, fail_grace_s=30.0, timeout_s=600.0)   # no lease saves us
     housekeeper = PoolHousekeeper(pool, every_s=0.05)
-    engine = decode_engine(pool, model_dir, dtype="float32")
+    engine = decode_engine(pool, model_dir, dtype="float32", **engine_args)
     engine.start()
     try:
         d = reserve(rx, model_dir)
@@ -102,14 +103,45 @@ def test_decode_reclaims_a_dead_kv_transfers_reservation(demo_checkpoint, make_d
         engine.submit_prefilled(PROMPT, GREEDY, SharedPoolTicket.for_descriptor(pool, d.to_bytes()),
                                 out)
         rx.kill()
-        assert out.done.wait(30) and out.reason == "error"
-        assert "the process holding the reservation died" in out.error
-        assert out.code == "UNAVAILABLE"          # not the request's fault: retry
-        assert engine.transfer_failures == {"owner_died": 1}
-        assert counters(pool) == start
+        assert out.done.wait(60)
+        wait_for(lambda: counters(pool) == start)   # the reclaimed and the served pages are back
+        return out, engine.transfer_failures, engine.transfer_recomputes
     finally:
         engine.shutdown()
         housekeeper.stop()
+
+
+def test_a_request_whose_transfer_failed_is_prefilled_by_decode(demo_checkpoint, make_decode_pool,
+                                                                doomed_peer):
+    """kv_load_failure_policy "recompute" (the default): the request costs time, not its
+    answer — the greedy tokens are the ones a request decode prefilled from the start gets."""
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir)
+    out, failures, recomputed = _dead_kv_transfer(model_dir, pool, doomed_peer)
+    assert out.reason == "length" and out.error is None, out.error
+    assert failures == {"owner_died": 1} and recomputed == 1
+    reference = Outputs()
+    engine = decode_engine(pool, model_dir, dtype="float32")
+    engine.start()
+    try:
+        engine.submit(PROMPT, GREEDY, reference)
+        assert reference.done.wait(60) and reference.reason == "length"
+    finally:
+        engine.shutdown()
+    assert out.tokens == reference.tokens and len(out.tokens) == GREEDY.max_tokens
+
+
+def test_decode_reclaims_a_dead_kv_transfers_reservation(demo_checkpoint, make_decode_pool,
+                                                         doomed_peer):
+    """kv_load_failure_policy "fail": the request ends with a clear, retryable error."""
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir)
+    out, failures, recomputed = _dead_kv_transfer(model_dir, pool, doomed_peer,
+                                                  kv_load_failure_policy="fail")
+    assert out.reason == "error"
+    assert "the process holding the reservation died" in out.error
+    assert out.code == "UNAVAILABLE"          # not the request's fault: retry
+    assert failures == {"owner_died": 1} and recomputed == 0
 
 
 def test_kv_transfer_reserving_meanwhile_never_fails_a_decode_step(

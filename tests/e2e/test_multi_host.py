@@ -9,9 +9,10 @@ would otherwise pick shared memory or CMA between them.
 
 Checked: the transports UCX chose for every endpoint (its own log) and the TCP
 connections between the two addresses (``ss``); greedy text over the link equals the
-single-host engine's; the link cut mid-transfer fails the request with a clear error
-within the transfer timeout and every page comes back (once the receives still posted
-are given up); with the link up again the same processes serve on.
+single-host engine's; the link cut mid-transfer fails the transfer at its timeout, decode
+then prefills the prompt itself and answers with the single-host text (the ``recompute``
+policy), and every page comes back (once the receives still posted are given up); with
+the link up again the same processes serve on.
 """
 from __future__ import annotations
 
@@ -191,7 +192,8 @@ def _tcp_between(pair: VethPair, side: str) -> list[tuple[int, int, str]]:
     return conns
 
 
-def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, demo_checkpoint):
+def test_link_down_mid_transfer_is_recomputed_by_decode_and_returns_pages(servers, link, demo_checkpoint,
+                                                                          reference):
     prefill, decode, _ = servers
     from tokenizers import Tokenizer
     n_tokens = len(Tokenizer.from_file(str(demo_checkpoint / "tokenizer.json")).encode(LONG).ids)
@@ -208,10 +210,11 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
     num_pages = sum(pages().values())
     got0 = decode.metric("tandem_kv_received_bytes_total", "kv_transfer")
     failed0 = decode.metric("tandem_kv_transfer_failures_total", "decode")
+    recomputed0 = decode.metric("tandem_kv_transfer_recomputed_total", "decode")
     link.limit_rate("a", SHAPED_RATE)          # prefill -> decode: the KV takes seconds
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        request = pool.submit(decode.generate, LONG, 4, 120)
+        request = pool.submit(decode.generate, LONG, 10, 120)
         deadline = time.monotonic() + 60
         while decode.metric("tandem_kv_received_bytes_total", "kv_transfer") == got0:
             assert not request.done(), request.result()
@@ -226,14 +229,11 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
         link.set_link("a", True)
         pool.shutdown()
     got = decode.metric("tandem_kv_received_bytes_total", "kv_transfer") - got0
-    print(f"link down after {got} of {kv_bytes} KV bytes; the request failed {failed_after:.1f} s "
-          f"later: {status} {out}")
-    assert status != 200 and "error" in out, out
-    assert "KV" in out["error"] and ("transfer timeout" in out["error"] or "prefill" in out["error"]), out
+    print(f"link down after {got} of {kv_bytes} KV bytes; the request, prefilled again by decode, "
+          f"ended {failed_after:.1f} s later: {status}")
+    assert status == 200, out
+    assert out["text_output"] == LONG + reference[LONG]   # the transfer's failure cost time, not the answer
     assert 0 < got < kv_bytes                   # it was cut mid-transfer
-    # decode learns at the transfer timeout (counted from the last progress, which is
-    # at the cut or a little before), not when the posted receives are given up
-    assert failed_after <= TRANSFER_TIMEOUT_S + 3
     # every page comes back: the failed reservation's, nothing reserved or in use
 
     def pages_back():
@@ -242,6 +242,7 @@ def test_link_down_mid_transfer_fails_clearly_and_returns_pages(servers, link, d
             f"pages never came back: {now} of {num_pages}"
     eventually(pages_back, timeout_s=RECEIVE_DRAIN_S + 20)
     assert decode.metric("tandem_kv_transfer_failures_total", "decode") == failed0 + 1
+    assert decode.metric("tandem_kv_transfer_recomputed_total", "decode") == recomputed0 + 1
     # and the prefill server gave its side up (and with it its own pages): when UCX's
     # keepalive reports the decode worker lost, or after kv_transfer_timeout_s + 5 s
     # without progress

@@ -1,9 +1,11 @@
 """Supervision on a real tritonserver (`--mode both`, explicit model control): the stubs
-of ``prefill``, ``decode``, ``kv_transfer`` and ``llm`` are SIGKILLed in turn, each with
+of ``decode``, ``kv_transfer`` and ``llm`` are SIGKILLed in turn, each with
 streams open, on one server. Each time every open stream ends (an error is fine) by the
 reservation lease + 5 s, readiness drops and comes back, the next request gets the
 engine's greedy text, the KV pages return to idle, and the dead stub's shared-memory
-region is gone; after stop() nothing of the server is left in /dev/shm.
+region is gone; after stop() nothing of the server is left in /dev/shm. The ``prefill``
+stub, no step of any ensemble, is killed under load too: no request fails or differs
+from its greedy reference, and readiness never drops.
 
 ``pytest -s`` prints the recovery times (stub killed -> correct text served again).
 """
@@ -26,9 +28,9 @@ SETTINGS = dict(max_num_seqs=8, page_size=4, max_num_batched_tokens=8)
 PROMPT, MAX_TOKENS = "def fibonacci(n):\n    ", 10
 STREAM_PROMPTS = ["import os\nimport sys\n", "class Stack:\n    def push(self, x):", "x = [i * i for i in",
                   "def merge(a, b):\n    out = []"]
-ENSEMBLE = {"prefill": "tandem", "decode": "tandem", "kv_transfer": "tandem", "llm": "tandem_colocated"}
+ENSEMBLE = {"decode": "tandem", "kv_transfer": "tandem", "llm": "tandem_colocated"}
 # decoupled models killed by a signal leave streams Triton never ends: the server restarts
-ACTION = {"prefill": "reload", "kv_transfer": "reload", "decode": "restart", "llm": "restart"}
+ACTION = {"kv_transfer": "reload", "decode": "restart", "llm": "restart"}
 # who reports the KV pool's pages: decode maps the pool kv_transfer reserves in (a killed
 # kv_transfer's own series keep their last values: a dead stub cannot delete them)
 POOLS = {"tandem": ("decode",), "tandem_colocated": ("llm",)}
@@ -102,7 +104,7 @@ class Stream:
     def __init__(self, url: str, model: str, prompt: str, max_tokens: int):
         import tritonclient.grpc as grpcclient
 
-        self.responses, self.final, self.error = 0, False, None
+        self.responses, self.final, self.error, self.text = 0, False, None, ""
         self.started = threading.Event()
         self.ended = threading.Event()
         self.client = grpcclient.InferenceServerClient(url)
@@ -119,7 +121,9 @@ class Stream:
             return
         self.responses += 1
         self.started.set()
-        if parse_response(result).final:
+        reply = parse_response(result)
+        self.text += reply.text
+        if reply.final:
             self.final = True
             self.ended.set()
 
@@ -166,7 +170,7 @@ def _probe(server, ensemble: str, want: str, since: float, out: dict) -> None:
         out["error"] = str(exc)
 
 
-@pytest.mark.parametrize("model", ["prefill", "decode", "kv_transfer", "llm"])
+@pytest.mark.parametrize("model", ["decode", "kv_transfer", "llm"])
 def test_a_killed_stub_is_recovered(server, reference, readiness, model):
     ensemble = ENSEMBLE[model]
     server.wait_model_ready(ensemble, timeout_s=60)   # raises ServerError when not ready in time
@@ -215,6 +219,64 @@ def test_a_killed_stub_is_recovered(server, reference, readiness, model):
     RECOVERED[model] = dict(action=last.action, supervisor_s=last.seconds, ready_s=probe["ready_s"],
                             correct_s=probe["correct_s"], ended_ok=sum(s.final for s in streams),
                             ended_error=sorted({(s.error or "")[:90] for s in streams if s.error}))
+
+
+def test_a_killed_prefill_costs_no_request(server, greedy_reference, readiness):
+    """``prefill`` is no step of the ensembles: with every prompt routed to it
+    (``--disagg-policy remote``), its stub SIGKILLed while streams are in prefill and in
+    decode costs no request — the ones it was prefilling are prefilled again by decode
+    when their transfer fails, the ones sent while it restarts are prefilled by decode —
+    and every text is the greedy reference; the server stays ready throughout and the
+    supervisor reloads prefill in place."""
+    greedy = greedy_reference(MAX_TOKENS, **SETTINGS)
+    server.wait_model_ready("tandem", timeout_s=60)
+    want = {(p, n): greedy(p, n).text for p in STREAM_PROMPTS for n in (48, 16)}
+    want[(PROMPT, MAX_TOKENS)] = greedy(PROMPT).text
+    streams = [(p, 48, Stream(server.grpc_url, "tandem", p, 48)) for p in STREAM_PROMPTS]
+    for _, _, s in streams:
+        assert s.started.wait(60), "a stream got no first response"
+    streams += [(p, 16, Stream(server.grpc_url, "tandem", p, 16)) for p in STREAM_PROMPTS]
+    killed_at, killed_wall = time.monotonic(), time.time()
+    pid = server.kill_stub("prefill")
+    # sent while prefill restarts (or is dead and not yet noticed)
+    meanwhile = [_text(server, "tandem") for _ in range(3)]
+    try:
+        hung = [i for i, (_, _, s) in enumerate(streams) if not s.ended.wait(180)]
+    finally:
+        for _, _, s in streams:
+            s.close()
+    ended_at = time.monotonic()
+    assert not hung, f"streams {hung} never ended after prefill died"
+    failed = [(p, n, s.error) for p, n, s in streams if not s.final or s.error]
+    assert not failed, failed
+    wrong = [(p, n, s.text) for p, n, s in streams if s.text != want[(p, n)]]
+    assert not wrong, wrong
+    assert meanwhile == [want[(PROMPT, MAX_TOKENS)]] * 3
+    assert not readiness.dropped_between(killed_at, ended_at), "readiness dropped while prefill restarted"
+
+    def reloaded():
+        recs = [r for r in server.supervisor.status().recoveries if r.noticed_at >= killed_wall - 1]
+        assert [(r.model, r.pid, r.action, r.ok) for r in recs] == [("prefill", pid, "reload", True)], recs
+    eventually(reloaded, timeout_s=120)
+    print(f"\nprefill killed: {metric(server, 'tandem_kv_transfer_recomputed_total', 'decode'):.0f} transfers "
+          f"failed and were recomputed by decode; "
+          f"{metric(server, 'tandem_disagg_requests_total', 'kv_transfer', path='local'):.0f} prompts "
+          "prefilled in decode meanwhile")
+    # prefill takes jobs again: a new prompt's KV comes over the transfer
+    received = metric(server, "tandem_kv_received_bytes_total", "kv_transfer")
+    fresh = iter(f"# attempt {i}\n{PROMPT}" for i in range(1000))
+
+    def transferred():
+        prompt = next(fresh)
+        assert "".join(r.text for r in stream_generate(
+            server.grpc_url, prompt, model="tandem", timeout_s=60, max_tokens=MAX_TOKENS, temperature=0.0,
+            stream=True)) == greedy(prompt).text
+        assert metric(server, "tandem_kv_received_bytes_total", "kv_transfer") > received
+    eventually(transferred, timeout_s=60)
+
+    def pages_back():
+        assert not (busy := _busy_pages(server, "tandem")), f"KV pages still reserved or in use: {busy}"
+    eventually(pages_back, timeout_s=_lease_s() + 15)
 
 
 def test_kill_stub_names_the_models_it_can_kill(server):

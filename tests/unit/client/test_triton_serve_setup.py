@@ -201,7 +201,7 @@ def test_text_ensembles_declare_the_tensorrt_llm_interface(name):
 
 def test_decode_takes_what_llm_takes_and_answers_alike():
     llm, decode = _config("llm"), _config("decode")
-    assert [i.name for i in decode.input] == [i.name for i in llm.input] + ["kv_descriptor", "prefill_ack"]
+    assert [i.name for i in decode.input] == [i.name for i in llm.input] + ["kv_descriptor"]
     assert [(o.name, o.data_type) for o in decode.output] == [(o.name, o.data_type) for o in llm.output]
     assert decode.model_transaction_policy.decoupled and llm.model_transaction_policy.decoupled
 
@@ -388,20 +388,25 @@ class FakeServer:
         self.ready_timeout_s = 5.0
         self.calls: list[tuple] = []
         self.http, self.options = self, self
-        self.models = ("prefill", "kv_transfer", "decode")
+        self.models = ("prefill", "kv_transfer", "decode", "tandem")
         self.load_s = 0.0
         deadline = time.monotonic() + 20
         while len(find_stubs(self.process.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def model_config(self, model):
+        if model == "tandem":   # prefill is no step of it: kv_transfer hands prefill its jobs
+            return {"platform": "ensemble",
+                    "ensemble_scheduling": {"step": [{"model_name": "kv_transfer"}, {"model_name": "decode"}]}}
         return {"model_transaction_policy": {"decoupled": model == "decode"}}
 
     def unload(self, model):
         self.calls.append(("unload", model))
 
-    def load(self, model, timeout_s):
-        self.calls.append(("load", model))
+    def load(self, model, timeout_s, config=None):
+        # a load in place carries the model's config, marked so that Triton loads it again
+        self.calls.append(("load", model) if config is None else
+                          ("load in place", model, "tandem_reload" in config.get("parameters", {})))
         time.sleep(self.load_s)
 
     def wait_ready(self, abort=None):
@@ -458,11 +463,18 @@ def test_a_killed_stub_is_reloaded_and_its_region_removed(fake):
     os.kill(stub.pid, signal.SIGKILL)
     assert supervisor.wait_noticed(stub.pid)
     assert _wait(lambda: supervisor.status().reloads == 1)
-    assert server.calls == [("unload", "prefill"), ("load", "prefill"), ("wait_ready",),
+    # no ensemble depends on prefill: reloaded in place (the server stays ready)
+    assert server.calls == [("load in place", "prefill", True), ("wait_ready",),
                             ("remove_shm_region", "tandem_1_0123abcd_prefill")]
     rec = supervisor.status().recoveries[0]
     assert (rec.model, rec.pid, rec.cause, rec.action, rec.ok) == ("prefill", stub.pid, "killed by SIGKILL",
                                                                    RELOAD, True)
+    server.calls.clear()
+    stub = next(s for s in find_stubs(server.process.pid) if s.model == "kv_transfer")
+    os.kill(stub.pid, signal.SIGKILL)                 # a step of "tandem": unloaded first
+    assert _wait(lambda: supervisor.status().reloads == 2)
+    assert server.calls == [("unload", "kv_transfer"), ("load", "kv_transfer"), ("wait_ready",),
+                            ("remove_shm_region", "tandem_1_0123abcd_kv_transfer")]
 
 
 def test_a_stub_that_dies_during_another_reload_is_reloaded_too(fake):

@@ -1,107 +1,105 @@
-"""The prefill model (model_repository/prefill/1/model.py, backends/triton/prefill_*.py):
-its adapter picks the role — forward to prefill servers, or prefill itself."""
+"""How kv_transfer hands a job to this server's ``prefill`` model
+(backends/triton/prefill_handoff.py), on the stand-in ``triton_python_backend_utils``
+with a fake BLS call: a taken job, a refused one (the job is wrong: ValueError), and a
+model that is dead, restarting or hung (PrefillUnavailable, then skipped a while with
+``on_down`` told until when, and ``on_down(None)`` once it takes a job again)."""
 
 from __future__ import annotations
 
-import json
-import sys
+import threading
 
 import numpy as np
 import pytest
 
-from .fakes import Request
-from .model_calls import model_config
+
+class FakeBLS:
+    """``pb_utils.InferenceRequest`` whose ``exec`` answers as ``answer`` says: "ack",
+    an error code, "raise" (the call itself fails) or "hang" (until released)."""
+    answer = "ack"
+    calls: list = []
+    release = threading.Event()
+
+    def __init__(self, model_name, inputs, requested_output_names):
+        self.model_name, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
+        self.outputs = requested_output_names
+
+    def exec(self):
+        FakeBLS.calls.append((self.model_name, self.inputs))
+        answer = FakeBLS.answer
+        if answer == "raise":
+            raise RuntimeError("Request for unknown model: 'prefill' is not found")
+        if answer == "hang":
+            FakeBLS.release.wait(10)
+        return _Response(None if answer in ("ack", "hang") else answer)
 
 
-PREFILL_MODULES = ("prefill_model", "prefill_local", "prefill_remote")
+class _Response:
+    def __init__(self, code):
+        self.code = code
+
+    def has_error(self):
+        return self.code is not None
+
+    def error(self):
+        import triton_python_backend_utils as pb_utils
+        return pb_utils.TritonError(f"the prefill said {self.code}", self.code)
 
 
 @pytest.fixture
-def prefill_adapter(pb_utils, monkeypatch):
-    """``model_repository/prefill/1/model.py`` loaded as the stub loads it, with the
-    router replaced by a fake that records the jobs it forwards."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    for name in PREFILL_MODULES:   # imported afresh, on the stand-in
-        monkeypatch.delitem(sys.modules, f"tandem.backends.triton.{name}", raising=False)
-    prefill_remote = importlib.import_module("tandem.backends.triton.prefill_remote")
-
-    class FakeRouter:
-        jobs: list = []
-        salts: list = []
-        fail: Exception | None = None
-
-        def __init__(self, endpoints, on_down=None, **options):
-            self.endpoints, self.closed, self.options = endpoints, False, options
-
-        def submit(self, ids, desc, cache_salt=None):
-            if FakeRouter.fail is not None:
-                raise FakeRouter.fail
-            FakeRouter.jobs.append((ids, desc))
-            FakeRouter.salts.append(cache_salt)
-
-        def close(self):
-            self.closed = True
-    monkeypatch.setattr(prefill_remote, "PrefillRouter", FakeRouter)
-    path = Path(__file__).resolve().parents[3] / "model_repository/prefill/1/model.py"
-    spec = importlib.util.spec_from_file_location("prefill_adapter", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TritonPythonModel, FakeRouter
+def handoff(pb_utils, monkeypatch):
+    monkeypatch.setattr(pb_utils, "InferenceRequest", FakeBLS, raising=False)
+    FakeBLS.answer, FakeBLS.calls = "ack", []
+    FakeBLS.release.clear()
+    from tandem.backends.triton.prefill_handoff import LocalPrefill
+    downs = []
+    side = LocalPrefill(timeout_s=0.2, on_down=downs.append)
+    yield side, downs
+    FakeBLS.release.set()
+    side.close()
 
 
-def prefill_args(**params):
-    return {"model_config": json.dumps(model_config(decoupled=False, **params)), "model_name": "prefill"}
+def job(side, salt=None):
+    return side.submit(np.array([5, 6, 7], dtype=np.int32), np.frombuffer(b"desc", dtype=np.uint8), salt)
 
 
-def prefill_request(desc: bytes, ids=(5, 6, 7), **extra):
-    return Request(kv_descriptor=np.frombuffer(desc, dtype=np.uint8).reshape(1, -1),
-                   input_ids=np.array([list(ids)], dtype=np.int32), **extra)
+def test_a_taken_job_reaches_the_prefill_model_with_its_salt(handoff):
+    side, downs = handoff
+    assert job(side, "tenant-a") == "prefill"
+    [(model, inputs)] = FakeBLS.calls
+    assert model == "prefill"
+    assert inputs["input_ids"].tolist() == [[5, 6, 7]] and inputs["kv_descriptor"].tobytes() == b"desc"
+    assert inputs["cache_salt"].tolist() == [[b"tenant-a"]]
+    assert downs == []
 
 
-def a_descriptor() -> bytes:
-    from tandem.rdma import DestinationDescriptor, ModelSpec, ShardScheme
-    return DestinationDescriptor(b"worker", 0, 1, 2, (0,), (ModelSpec("target", 2, 2, 4, 2, "float32", "HND"),),
-                                 ShardScheme(1), ShardScheme(1)).to_bytes()
+def test_a_job_the_prefill_refuses_is_the_jobs_error(handoff, pb_utils):
+    side, downs = handoff
+    FakeBLS.answer = pb_utils.TritonError.INVALID_ARG
+    with pytest.raises(ValueError, match="the prefill said INVALID_ARG"):
+        job(side)
+    assert downs == []          # the prefill side is fine: the next job goes there
+    FakeBLS.answer = "ack"
+    job(side)
 
 
-def test_the_prefill_model_forwards_with_endpoints_and_prefills_itself_without(prefill_adapter):
-    from tandem.backends.triton.prefill_local import LocalPrefillModel
-    from tandem.backends.triton.prefill_model import prefill_model_for
-    from tandem.backends.triton.prefill_remote import RemotePrefillModel
-
-    assert isinstance(prefill_model_for(prefill_args()), LocalPrefillModel)
-    adapter_cls, router = prefill_adapter
-    model = adapter_cls()
-    model.initialize(prefill_args(prefill_endpoints="10.0.0.5:8001"))
-    assert isinstance(model.model, RemotePrefillModel)
-    assert model.model.router.endpoints == ["10.0.0.5:8001"]
-    model.finalize()
-    assert model.model.router.closed
-
-
-def test_the_forwarding_prefill_model_acks_refuses_and_reports_unavailable(prefill_adapter, pb_utils):
-    from tandem.backends.triton.disagg_common import NO_TRANSFER
+@pytest.mark.parametrize("failure", ["UNAVAILABLE", "INTERNAL", "raise", "hang"])
+def test_a_prefill_that_takes_no_job_is_skipped_then_tried_again(handoff, failure, monkeypatch):
+    from tandem.backends.triton import prefill_handoff
     from tandem.backends.triton.prefill_router import PrefillUnavailable
 
-    adapter_cls, router = prefill_adapter
-    router.jobs, router.salts, router.fail = [], [], None
-    model = adapter_cls()
-    model.initialize(prefill_args(prefill_endpoints="10.0.0.5:8001"))
-    desc = a_descriptor()
-    ok, local, forged = model.execute([prefill_request(desc), prefill_request(NO_TRANSFER),
-                                       prefill_request(b"\x07" * 40)])
-    assert ok.error is None, ok.error.message()
-    assert local.error is None and ok.outputs["prefill_ack"].all()
-    assert [d.tobytes() for _, d in router.jobs] == [desc]      # the local path forwards nothing
-    (salted,) = model.execute([prefill_request(desc, cache_salt=np.array([[b"tenant-a"]], dtype=object))])
-    assert salted.error is None and router.salts == [None, "tenant-a"]   # the salt travels on
-    assert forged.error.code() == pb_utils.TritonError.INVALID_ARG
-    assert forged.error.message().startswith("kv_descriptor: ")
-    router.fail = PrefillUnavailable("no prefill server took the job")
-    (down,) = model.execute([prefill_request(desc)])
-    assert down.error.code() == pb_utils.TritonError.UNAVAILABLE
-    assert "no prefill server" in down.error.message()
-    model.finalize()
+    side, downs = handoff
+    now = [100.0]
+    monkeypatch.setattr(prefill_handoff.time, "monotonic", lambda: now[0])
+    FakeBLS.answer = failure
+    with pytest.raises(PrefillUnavailable, match="retry"):
+        job(side)
+    [until] = downs
+    assert until >= now[0] + prefill_handoff.LOCAL_WHILE_DOWN_S   # long prompts stay in decode
+    with pytest.raises(PrefillUnavailable, match="skipped"):
+        job(side)                           # not asked again while it is down
+    assert len(FakeBLS.calls) == 1
+    FakeBLS.answer = "ack"
+    FakeBLS.release.set()
+    now[0] += 31.0                          # past any back-off
+    job(side)
+    assert downs == [until, None]           # up again: routing forgets the outage
