@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "honouring 'retry later' does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=str(DEMO_CHECKPOINTS / "target"))
+    p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
+                   help="the server's and the reference's (default: float32, where greedy text is exact "
+                        "across batch shapes; in bfloat16 near-ties flip with the batch)")
     p.add_argument("--keep-work", action="store_true",
                    help="keep the temp dir of the server's repository and log (removed otherwise)")
     p.add_argument("--out", type=Path, default=Path("docs/bench/soak.json"))
@@ -180,7 +183,8 @@ def wait_idle(metrics_url: str, timeout_s: float = 60.0) -> dict[str, float]:
 
 # -- the run ------------------------------------------------------------------------------
 
-def greedy_reference(model_dir: str, outcomes: list[Outcome], plan: list[PlannedRequest]) -> None:
+def greedy_reference(model_dir: str, outcomes: list[Outcome], plan: list[PlannedRequest],
+                     dtype: str = "float32") -> None:
     """Mark each completed greedy request exact or not against the offline engine."""
     import torch
 
@@ -190,7 +194,7 @@ def greedy_reference(model_dir: str, outcomes: list[Outcome], plan: list[Planned
     keys = sorted({(plan[o.index].prompt, plan[o.index].max_tokens) for o in checked})
     if not keys:
         return
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, dtype=dtype)
     texts = llm.generate([p for p, _ in keys],
                          [SamplingParams(max_tokens=m, temperature=0.0) for _, m in keys])
     want = {k: t.text for k, t in zip(keys, texts)}
@@ -213,13 +217,13 @@ def run(args: argparse.Namespace) -> int:
     report = header("soak", args)
     plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed)
     from tandem.backends import LLM, SamplingParams
-    probe_want = LLM(args.model_dir).generate(PROBE[0], SamplingParams(max_tokens=PROBE[1],
-                                                                       temperature=0.0))[0].text
+    probe_want = LLM(args.model_dir, dtype=args.dtype).generate(
+        PROBE[0], SamplingParams(max_tokens=PROBE[1], temperature=0.0))[0].text
     # the server's repository and log
     with work_dir("tandem-soak-", keep=args.keep_work) as run_dir, ExitStack() as stack:
         outcomes, recoveries, start, elapsed, before, after = _soak(args, plan, probe_want,
                                                                     run_dir, stack)
-    greedy_reference(args.model_dir, outcomes, plan)
+    greedy_reference(args.model_dir, outcomes, plan, args.dtype)
     summary = summarize(outcomes)
     report.update({
         "settings": {k: getattr(args, k) for k in ("requests", "concurrency", "cancel_frac", "fault_frac",
@@ -246,8 +250,8 @@ def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stac
 
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
-    options = ServeOptions.of(model_dir=args.model_dir, torch_threads=1, mode="disaggregated", faults=faults,
-                           disagg_policy="remote")   # the transfer path under faults
+    options = ServeOptions.of(model_dir=args.model_dir, dtype=args.dtype, torch_threads=1, mode="disaggregated",
+                              faults=faults, disagg_policy="remote")   # the transfer path under faults
     server = start_server(stack, options, run_dir, log_file=run_dir / "tritonserver.log",
                           model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60)
     before = wait_idle(server.metrics_url)
