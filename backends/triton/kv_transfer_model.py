@@ -134,11 +134,15 @@ class TritonPythonModel(PerRequestModel):
         desc = reservation.to_bytes()
         try:
             self.prefill.submit(np.asarray(prompt, dtype=np.int32), as_bytes_tensor(desc), cache_salt)
-        except (PrefillUnavailable, ValueError) as e:
+        except ValueError:   # the prefill side refused this job itself
             self.receiver.cancel(reservation.slot, reservation.generation)
-            if isinstance(e, ValueError):
-                raise
-            if e.tried:   # (while it is skipped, every prompt is prefilled in decode unsaid)
+            raise
+        except Exception as e:   # noqa: BLE001 - unavailable, or the hand-off itself broke
+            self.receiver.cancel(reservation.slot, reservation.generation)
+            if not isinstance(e, PrefillUnavailable):
+                pb_utils.Logger.log_error(f"[kv_transfer] handing a job to the prefill side failed: "
+                                          f"{type(e).__name__}: {e}: prefilled in decode")
+            elif e.tried:   # (while it is skipped, every prompt is prefilled in decode unsaid)
                 pb_utils.Logger.log_warn(f"[kv_transfer] {e}: prefilled in decode meanwhile")
             return Route(LOCAL, "prefill_down"), NO_TRANSFER
         return route, desc
