@@ -144,6 +144,8 @@ class TritonPythonModel(PerRequestModel):
                                           f"{type(e).__name__}: {e}: prefilled in decode")
             elif e.tried:   # (while it is skipped, every prompt is prefilled in decode unsaid)
                 pb_utils.Logger.log_warn(f"[kv_transfer] {e}: prefilled in decode meanwhile")
+            # decode's backlog grows by what it lacks of the prompt (routing counts it)
+            self.in_transit.add(len(prompt) - reservation.first_page * self.page_size, time.monotonic())
             return Route(LOCAL, "prefill_down"), NO_TRANSFER
         return route, desc
 

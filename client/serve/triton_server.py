@@ -215,14 +215,21 @@ class TritonServer:
         self._launch_args = (layout, backend_dir, repo)
         pick = [name for name in ("http_port", "grpc_port", "metrics_port") if not getattr(self, name)]
         for attempt in range(3):
+            taken = {getattr(self, n) for n in ("http_port", "grpc_port", "metrics_port")} - {0, None}
             for name in pick:
-                setattr(self, name, free_port(self.host))
+                # the kernel may hand out a port it just freed again: three distinct ones
+                port = free_port(self.host)
+                while port in taken:
+                    port = free_port(self.host)
+                taken.add(port)
+                setattr(self, name, port)
             self._launch()
             try:
                 self.wait_ready()
                 break
             except ServerError as exc:
-                in_use = "already in use" in self.log_tail()
+                tail = self.log_tail()
+                in_use = "already in use" in tail or "cannot listen" in tail
                 self.stop()
                 if not (in_use and pick and attempt < 2):
                     raise exc

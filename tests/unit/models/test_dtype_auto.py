@@ -57,6 +57,11 @@ def test_auto_is_the_default_and_resolves_in_every_settings_object(cpu, flags, w
     assert EngineSettings(dtype="float32").dtype == "float32"
 
 
+# benchmarks that compare text exactly with the offline engine's run in float32: in bf16 a
+# near-tie flips with the batch shape (client/bench/soak.py)
+EXACT_TEXT_BENCHES = {"soak": "float32"}
+
+
 def test_the_serve_and_bench_commands_default_to_auto(cpu):
     from tandem.client.cli import build_parser
     cpu(AVX2_EPYC)
@@ -68,4 +73,4 @@ def test_the_serve_and_bench_commands_default_to_auto(cpu):
     for name, parser in benches.items():
         dtype = next((a for a in parser._actions if a.dest == "dtype"), None)
         if dtype is not None:
-            assert dtype.default == AUTO, name
+            assert dtype.default == EXACT_TEXT_BENCHES.get(name, AUTO), name
