@@ -437,8 +437,15 @@ def test_compose_greedy_text_with_the_kv_over_tcp_between_containers(stack, podm
     for svc in ("decode-0", "decode-1"):
         for prompt in PROMPTS:
             assert _generate(_decode_url(published, svc), prompt) == reference[prompt], svc
-        metrics = _remote_requests_counted(_decode_url(published, svc, 8002))
-        assert metric_in(metrics, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+        _remote_requests_counted(_decode_url(published, svc, 8002))
+
+        def received():   # polled by kv_transfer's metrics thread: asked until it is there
+            _, metrics = _get(f"{_decode_url(published, svc, 8002)}/metrics")
+            assert metric_in(metrics, "tandem_kv_received_bytes_total", "kv_transfer") > 0
+            return metrics
+        metrics = eventually(received)
+        # the KV came over the link: no transfer failed and was prefilled by decode instead
+        assert metric_in(metrics, "tandem_kv_transfer_recomputed_total", "decode") == 0
         # UCX's connections with the prefill container, beside gRPC's to its port 8001
         ucx = {p for p in _tcp_peers(names[svc], podman) if p[0] == prefill_ip and 8001 not in p[1:]}
         assert ucx, f"{svc}: no TCP connection with the prefill container but gRPC's"
