@@ -27,6 +27,7 @@ from tandem.client.bench.args import (ArgumentTypeError, fraction, non_negative_
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
+from tandem.client.serve.stubs import proc_state
 from tandem.client.bench.soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
 
 MODEL = "tandem"
@@ -39,6 +40,19 @@ PROMPTS = [
     "def test_add():\n    assert", "with open('data.csv') as f:\n    reader", "return sorted(items, key=",
 ]
 PROBE = (PROMPTS[0], 8)
+# shared preambles (a module's header, as chat turns share a system prompt): requests that
+# start with one hit the prefix cache, whose pages outlive the requests that computed them
+PREAMBLES = [
+    '"""Utilities for reading, validating and writing the configuration files of a small web\n'
+    'service: paths, environment overrides, defaults, and the errors a user can cause."""\n'
+    'from __future__ import annotations\n\nimport json\nimport os\nfrom pathlib import Path\n\n',
+    '# Copyright the authors. Licensed under the Apache License, Version 2.0 (the "License");\n'
+    '# you may not use this file except in compliance with the License. Unless required by\n'
+    '# applicable law or agreed to in writing, software is distributed "AS IS".\n\nimport sys\n\n',
+    'class Matrix:\n    """A dense matrix of floats, stored row by row, with the operations a\n'
+    '    linear-algebra exercise needs: addition, multiplication, transpose."""\n\n'
+    '    def __init__(self, rows):\n        self.rows = [list(r) for r in rows]\n\n',
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backoff-s", type=non_negative_float, default=0.5,
                    help="a worker whose request failed waits this long before its next (as a client "
                         "honouring 'retry later' does)")
+    p.add_argument("--shared-prefix-frac", type=fraction, default=0.5,
+                   help="requests whose prompt starts with one of 3 shared preambles (prefix-cache hits)")
+    p.add_argument("--kv-audit", type=fraction, default=1.0,
+                   help="the server's --kv-audit: the share of prefix-cache hits whose pages are checked "
+                        "against their checksums (default: every one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=str(DEMO_CHECKPOINTS / "target"))
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
@@ -150,14 +169,16 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
 
 def kv_pages(metrics_url: str) -> dict[str, float]:
     """``tandem_kv_pages`` by model and state, from the stubs that are alive (a killed
-    stub's series stay on ``/metrics`` with their last values; ``incarnation`` is its pid)."""
+    stub's series stay on ``/metrics`` with their last values; ``incarnation`` is its pid,
+    which stays in /proc as a zombie until Triton reaps it)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     pages: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r'tandem_kv_pages\{(.*)\} (\S+)$', line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if not Path(f"/proc/{labels.get('incarnation', 0)}").exists():
+            state = proc_state(int(labels.get("incarnation", 0) or 0))
+            if state is None or state.state == "Z":   # a dead stub's series (a zombie: not yet reaped)
                 continue
             key = f"{labels.get('model')}/{labels.get('state')}"
             pages[key] = pages.get(key, 0.0) + float(m.group(2))
@@ -215,20 +236,22 @@ def probe_until_correct(url: str, want: str, since: float, timeout_s: float) -> 
 
 def run(args: argparse.Namespace) -> int:
     report = header("soak", args)
-    plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed)
+    plan = make_plan(args.requests, PROMPTS, args.cancel_frac, args.extreme_frac, args.seed,
+                     prefixes=PREAMBLES, prefix_frac=args.shared_prefix_frac)
     from tandem.backends import LLM, SamplingParams
     probe_want = LLM(args.model_dir, dtype=args.dtype).generate(
         PROBE[0], SamplingParams(max_tokens=PROBE[1], temperature=0.0))[0].text
     # the server's repository and log
     with work_dir("tandem-soak-", keep=args.keep_work) as run_dir, ExitStack() as stack:
-        outcomes, recoveries, start, elapsed, before, after = _soak(args, plan, probe_want,
-                                                                    run_dir, stack)
+        outcomes, recoveries, start, elapsed, before, after, cache = _soak(args, plan, probe_want,
+                                                                           run_dir, stack)
     greedy_reference(args.model_dir, outcomes, plan, args.dtype)
     summary = summarize(outcomes)
     report.update({
         "settings": {k: getattr(args, k) for k in ("requests", "concurrency", "cancel_frac", "fault_frac",
                                                    "fault_point", "extreme_frac", "kill", "deadline_s",
-                                                   "backoff_s", "seed")},
+                                                   "backoff_s", "shared_prefix_frac", "kv_audit", "seed")},
+        "prefix_cache": cache,
         "elapsed_s": round(elapsed, 1), "summary": summary.as_dict(), "goals_met": summary.goals_met,
         "pages_before": before, "pages_after": after,
         "leaked": {k: v for k, v in after.items() if k.endswith(("/reserved", "/in_use")) and v},
@@ -239,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     _print(report)
     write(report, args.out)
     _plot(report, args.out.with_suffix(".png"))
-    return 0 if summary.goals_met and not report["leaked"] else 1
+    return 0 if summary.goals_met and not report["leaked"] and not cache["corrupt_pages"] else 1
 
 
 def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stack: ExitStack):
@@ -251,7 +274,8 @@ def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stac
     kills = parse_kills(args.kill)
     faults = f"transfer_fail={args.fault_frac}@{args.fault_point}" if args.fault_frac > 0 else ""
     options = ServeOptions.of(model_dir=args.model_dir, dtype=args.dtype, torch_threads=1, mode="disaggregated",
-                              faults=faults, disagg_policy="remote")   # the transfer path under faults
+                              faults=faults, disagg_policy="remote",   # the transfer path under faults
+                              kv_audit=args.kv_audit)
     server = start_server(stack, options, run_dir, log_file=run_dir / "tritonserver.log",
                           model_control_mode="explicit", ready_timeout_s=300, exit_timeout_s=60)
     before = wait_idle(server.metrics_url)
@@ -296,7 +320,22 @@ def _soak(args, plan: list[PlannedRequest], probe_want: str, run_dir: Path, stac
     threads[-1].join(timeout=150)
     elapsed = time.monotonic() - start
     after = wait_idle(server.metrics_url)
-    return outcomes, recoveries, start, elapsed, before, after
+    return outcomes, recoveries, start, elapsed, before, after, cache_counters(server.metrics_url)
+
+
+CACHE_SERIES = {"hit_tokens": "tandem_prefix_cache_hits_total", "audited_pages": "tandem_prefix_cache_audited_pages_total",
+                "corrupt_pages": "tandem_prefix_cache_corrupt_pages_total"}
+
+
+def cache_counters(metrics_url: str) -> dict[str, float]:
+    """decode's prefix-cache counters, summed over its incarnations (a restarted decode's
+    dead series keep their last values, which count)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    out = {}
+    for key, name in CACHE_SERIES.items():
+        out[key] = sum(float(v) for labels, v in re.findall(rf'^{name}\{{(.*)\}} (\S+)$', text, flags=re.M)
+                       if 'model="decode"' in labels)
+    return out
 
 
 def _print(report: dict) -> None:
@@ -308,6 +347,9 @@ def _print(report: dict) -> None:
     print(f"failed without a clear reason: {s['failed_unclear']}; greedy checked {s['greedy_checked']}, "
           f"inexact {s['greedy_inexact']}")
     print(f"pages before {report['pages_before']}\npages after  {report['pages_after']}")
+    c = report["prefix_cache"]
+    print(f"decode's prefix cache: {c['hit_tokens']:.0f} prompt tokens served from it, {c['audited_pages']:.0f} "
+          f"pages of hits checked against their checksums, {c['corrupt_pages']:.0f} found changed")
     for r in report["recoveries"]:
         print(f"kill {r['model']} at {r['at_s']} s: correct text again after {r['recovered_s']} s")
     for msg, n in itertools.islice(s["errors"].items(), 10):

@@ -47,9 +47,15 @@ class PlannedRequest:
 
 
 def make_plan(n: int, prompts: list[str], cancel_frac: float, extreme_frac: float,
-              seed: int, sampled_frac: float = 0.2, max_tokens: tuple[int, int] = (8, 32)
-              ) -> list[PlannedRequest]:
-    """``n`` requests, reproducible from ``seed``."""
+              seed: int, sampled_frac: float = 0.2, max_tokens: tuple[int, int] = (8, 32),
+              prefixes: list[str] = (), prefix_frac: float = 0.0) -> list[PlannedRequest]:
+    """``n`` requests, reproducible from ``seed``; ``prefix_frac`` of them start with one
+    of ``prefixes`` (shared preambles: later requests hit the prefix cache).
+
+    >>> p = make_plan(100, ["x"], 0, 0, seed=2, prefixes=["A:", "B:"], prefix_frac=0.5)
+    >>> sorted({r.prompt for r in p})
+    ['A:x', 'B:x', 'x']
+    """
     rng = random.Random(seed)
     plan = []
     for i in range(n):
@@ -62,7 +68,10 @@ def make_plan(n: int, prompts: list[str], cancel_frac: float, extreme_frac: floa
             kind, sampling = "greedy", {"temperature": 0.0}
         tokens = rng.randint(*max_tokens)
         cancel = rng.randint(0, tokens - 1) if rng.random() < cancel_frac else None
-        plan.append(PlannedRequest(i, rng.choice(prompts), tokens, sampling, kind, cancel))
+        prompt = rng.choice(prompts)
+        if prefixes and rng.random() < prefix_frac:
+            prompt = rng.choice(prefixes) + prompt
+        plan.append(PlannedRequest(i, prompt, tokens, sampling, kind, cancel))
     return plan
 
 
