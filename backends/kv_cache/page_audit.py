@@ -24,7 +24,6 @@ from __future__ import annotations
 import random
 import zlib
 
-import numpy as np
 import torch
 
 from .page_pool import KVPagePool
@@ -34,8 +33,7 @@ def page_checksum(pools: list[KVPagePool], page: int) -> int:
     """CRC-32 of ``page``'s KV in every layer of ``pools``."""
     crc = 0
     for pool in pools:
-        data = pool.kv[:, page].contiguous().view(torch.uint8).numpy()
-        crc = zlib.crc32(np.ascontiguousarray(data), crc)
+        crc = zlib.crc32(pool.kv[:, page].contiguous().view(torch.uint8).numpy(), crc)
     return crc
 
 

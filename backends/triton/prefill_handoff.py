@@ -22,11 +22,9 @@ from typing import Callable
 import numpy as np
 
 from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, PREFILL_ACK
-from .prefill_router import (ACK_TIMEOUT_S, LOCAL_WHILE_DOWN_S, EndpointHealth, PrefillRouter,
+from .prefill_router import (ACK_TIMEOUT_S, LOCAL_WHILE_DOWN_S, PREFILL_MODEL, EndpointHealth, PrefillRouter,
                              PrefillUnavailable, parse_endpoints)
 from .settings import EngineSettings
-
-PREFILL_MODEL = "prefill"   # the server's own prefill model (model_repository/prefill)
 
 
 class LocalPrefill:
@@ -35,8 +33,6 @@ class LocalPrefill:
     :class:`PrefillUnavailable` when the model could not take it (``on_down(until)``
     told when it is worth another try; ``on_down(None)`` when it takes jobs again) and
     ``ValueError`` when it refused the job itself."""
-
-    endpoints = (PREFILL_MODEL,)
 
     def __init__(self, model: str = PREFILL_MODEL, timeout_s: float = ACK_TIMEOUT_S,
                  on_down: Callable[[float | None], None] | None = None):
