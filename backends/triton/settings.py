@@ -20,7 +20,6 @@ import os
 from dataclasses import Field, dataclass, field, fields
 
 from ..engine.config import COMPILE_MODES, ENGINE_DEFAULTS, EngineConfig
-from ..engine.remote_prefill import KV_LOAD_FAILURE_POLICIES, RECOMPUTE
 from ..kv_cache.pages import KV_LAYOUTS
 from ..models.config import DTYPE_CHOICES
 from ..models.dtype import AUTO, resolve_dtype
@@ -173,7 +172,7 @@ class EngineSettings:
         "shared memory or CMA even where UCX sees one host (network namespaces, containers); rc,ud,sm with "
         "RDMA (default: UCX's choice)", metavar="TLS")
     kv_load_failure_policy: str = setting(
-        RECOMPUTE, "--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, help=(
+        "recompute", "--kv-load-failure-policy", choices=("recompute", "fail"), help=(
             "a request whose prompt KV transfer failed (the prefill process died or was restarting, the link "
             "dropped, the transfer timed out): recompute (default): decode prefills the prompt itself and serves "
             "it; fail: it ends with UNAVAILABLE (vLLM's name)"))
@@ -224,9 +223,9 @@ class EngineSettings:
         for name in ("kv_transfer_timeout_s", "kv_drain_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config.pbtxt: {name}={getattr(self, name)}; allowed: an integer >= 1")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"config.pbtxt: kv_load_failure_policy={self.kv_load_failure_policy!r}; "
-                             f"allowed: {', '.join(KV_LOAD_FAILURE_POLICIES)}")
+                             "allowed: recompute, fail")
         if self.decode_borrow_min_seqs < 0:
             raise ValueError(f"config.pbtxt: decode_borrow_min_seqs={self.decode_borrow_min_seqs}; allowed: >= 0")
         if self.prefill_idle_threads < 0:
