@@ -38,6 +38,7 @@ class GenerateResponse:
     sequence_index: int = 0     # which of num_return_sequences
     output_log_probs: list[float] = field(default_factory=list)   # with return_log_probs
     cum_log_prob: float = 0.0   # with return_log_probs: the sequence's so far
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (the first response)
 
 
 class GenerateError(RuntimeError):
@@ -50,7 +51,9 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                  bad_words: list[str] | None = None, num_return_sequences: int | None = None,
                  repetition_penalty: float | None = None, presence_penalty: float | None = None,
                  frequency_penalty: float | None = None, min_tokens: int | None = None,
-                 return_log_probs: bool | None = None, exclude_input_in_output: bool = True) -> list:
+                 return_log_probs: bool | None = None, exclude_input_in_output: bool = True,
+                 guided_decoding_guide_type: str | None = None, guided_decoding_guide: str | None = None,
+                 return_perf_metrics: bool | None = None) -> list:
     """The request tensors, each with the batch dimension (shape ``[1, ...]``): ``text_input``
     for a text prompt, ``input_ids`` for a list of token ids (``exclude_input_in_output``
     concerns text only); an option left None is not sent (the server's default)."""
@@ -75,13 +78,20 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                 ("presence_penalty", presence_penalty, np.float32, "FP32"),
                 ("frequency_penalty", frequency_penalty, np.float32, "FP32"),
                 ("min_tokens", min_tokens, np.int32, "INT32"),
-                ("return_log_probs", return_log_probs, np.bool_, "BOOL"))
+                ("return_log_probs", return_log_probs, np.bool_, "BOOL"),
+                ("return_perf_metrics", return_perf_metrics, np.bool_, "BOOL"),
+                ("guided_decoding_guide_type", _utf8(guided_decoding_guide_type), np.object_, "BYTES"),
+                ("guided_decoding_guide", _utf8(guided_decoding_guide), np.object_, "BYTES"))
     inputs += [tensor(name, value, dtype, triton_type) for name, value, dtype, triton_type in optional
                if value is not None]
     for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
         if words:
             inputs.append(tensor(name, [w.encode("utf-8") for w in words], np.object_, "BYTES"))
     return inputs
+
+
+def _utf8(text: str | None) -> bytes | None:
+    return None if text is None else text.encode("utf-8")
 
 
 def _first(result, name: str):
@@ -111,6 +121,7 @@ def parse_response(result) -> GenerateResponse:
         sequence_index=int(_first(result, "sequence_index") or 0),
         output_log_probs=[] if log_probs is None else [float(x) for x in log_probs.reshape(-1)],
         cum_log_prob=float(_first(result, "cum_log_probs") or 0.0),
+        num_cached_tokens=int(_first(result, "num_cached_tokens") or 0),
     )
 
 

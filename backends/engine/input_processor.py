@@ -1,12 +1,11 @@
 """Input processing: a request's prompt tokenized and its parameters validated against
 the model and the KV pool, then built into a :class:`Sequence` with its stop ids,
-generator, logits controls and guide. Nothing here changes the engine's state."""
+logits controls and guide. Nothing here changes the engine's state."""
 from __future__ import annotations
 
 import itertools
 from typing import Container
 
-import torch
 
 from .config import EngineConfig
 from .guided import GuideCompiler, GuideState
@@ -63,12 +62,11 @@ class InputProcessor:
                              f"allowed: ids in 0..{vocab - 1}")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         controls = LogitsControls.build(params, ids, stop_ids, vocab,
                                         self._bad_words(params.bad_words), self.config.device,
                                         self._guide(params, stop_ids))
         return Sequence(request_id=rid, prompt_ids=ids, params=params, stop_ids=stop_ids,
-                        generator=gen, controls=controls,
+                        controls=controls,
                         logprobs=[] if params.logprobs else None)
 
     def _guide(self, params: SamplingParams, stop_ids: frozenset[int]) -> GuideState | None:

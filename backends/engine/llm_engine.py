@@ -220,7 +220,7 @@ class LLMEngine:
         finally:
             if masks is not None:
                 wait([masks])      # a failed step leaves no fill running on a matcher
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens = sample(logits, [s.params for s in sampling], [len(s.output_ids) for s in sampling])
         logprobs = sequence_logprobs(logits, [[t] for t in tokens], sampling)
         for s in scheduled:
             s.seq.num_computed = s.end

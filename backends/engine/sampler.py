@@ -1,11 +1,14 @@
 """From logits to tokens, per request settings: plain sampling (temperature, top-k,
-top-p, seeds) and the verification of greedy drafts. Pure tensor maths."""
+top-p, seeds) and the verification of greedy drafts. Pure tensor maths; a seeded request's
+randomness is its own (seeded_draws.py), so its tokens do not depend on the batch or on
+speculation."""
 from __future__ import annotations
 
 import torch
 
 from ..speculative.verify import chain_speculative_sampling
 from .params import SamplingParams
+from .seeded_draws import inverse_cdf, seeded_uniforms
 
 
 def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -51,11 +54,11 @@ def request_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return filtered_probs(flat, *_per_row(params, n, flat)).view(r, n, v)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
     """One token per row. Greedy rows take the argmax; the others draw from their
-    filtered distribution with their own generator, so a seeded request gets the same
-    tokens whatever else is in the batch."""
+    filtered distribution: a seeded request with the uniform of its output position
+    ``positions[i]`` (the same token whatever else is in the batch, and whether or not
+    speculation ran before), an unseeded one from torch's global generator."""
     tokens = logits.argmax(-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -63,7 +66,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     probs = request_probs(logits[rows, None], [params[i] for i in rows])[:, 0]
     check_distributions(probs)
     for j, i in enumerate(rows):
-        tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+        seed = params[i].seed
+        if seed is None:
+            tokens[i] = int(torch.multinomial(probs[j], 1))
+        else:
+            tokens[i] = int(inverse_cdf(probs[j], torch.tensor(seeded_uniforms(seed, [positions[i]]))[0]))
     return tokens
 
 
@@ -109,12 +116,14 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return probs
 
 def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
+                  positions: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Verify greedy drafts [B, k] against target logits [B, k+1, V].
 
     Returns the verified tokens [B, k+1] (-1 padded) and the accepted draft count per
-    request. Greedy drafts are one-hot draft distributions; a seeded request is verified
-    with its own generator so its output does not depend on the rest of the batch."""
+    request. Greedy drafts are one-hot draft distributions. A greedy request keeps drafts
+    while they equal the target's argmax; a seeded one while they equal its own draws at
+    output positions ``positions[i]``.. (seeded_draws.py: exactly lossless, and the tokens
+    plain sampling would give); an unseeded one goes through the rejection sampler."""
     b, k = drafts.shape
     device = logits.device
     out = torch.empty(b, k + 1, dtype=torch.int32, device=device)
@@ -123,21 +132,29 @@ def verify_drafts(logits: torch.Tensor, drafts: torch.Tensor, params: list[Sampl
     if greedy:
         # one-hot p and q: the rejection sampler reduces to "keep drafts while they equal
         # the target's argmax, then the argmax" -- the same tokens, without vocab-sized work
-        best = logits[greedy].argmax(-1)
-        n = (drafts[greedy] == best[:, :k]).int().cumprod(1).sum(1)
-        keep = torch.arange(k + 1, device=device)[None, :] <= n[:, None]
-        out[greedy] = torch.where(keep, best, -1).to(torch.int32)
-        emitted[greedy] = n.to(torch.int32)
+        _keep_matching(logits[greedy].argmax(-1), drafts[greedy], out, emitted, greedy)
     if len(greedy) == b:
         return out, emitted.tolist()
     p = target_probs(logits, params)
     check_distributions(p.flatten(0, 1))
-    q = torch.nn.functional.one_hot(drafts, logits.shape[-1]).to(p.dtype)
-    shared = [i for i, g in enumerate(generators) if g is None and not params[i].greedy]
+    seeded = [i for i, sp in enumerate(params) if not sp.greedy and sp.seed is not None]
+    if seeded:
+        u = torch.tensor([seeded_uniforms(params[i].seed, range(positions[i], positions[i] + k + 1))
+                          for i in seeded])
+        _keep_matching(inverse_cdf(p[seeded], u).to(device), drafts[seeded], out, emitted, seeded)
+    shared = [i for i, sp in enumerate(params) if not sp.greedy and sp.seed is None]
     if shared:
-        out[shared], _, emitted[shared] = chain_speculative_sampling(q[shared], drafts[shared], p[shared])
-    for i, g in enumerate(generators):
-        if g is not None and not params[i].greedy:
-            o, _, e = chain_speculative_sampling(q[i:i + 1], drafts[i:i + 1], p[i:i + 1], generator=g)
-            out[i], emitted[i] = o[0], e[0]
+        q = torch.nn.functional.one_hot(drafts[shared], logits.shape[-1]).to(p.dtype)
+        out[shared], _, emitted[shared] = chain_speculative_sampling(q, drafts[shared], p[shared])
     return out, emitted.tolist()
+
+
+def _keep_matching(tokens: torch.Tensor, drafts: torch.Tensor, out: torch.Tensor, emitted: torch.Tensor,
+                   rows: list[int]) -> None:
+    """Rows ``rows`` of ``out``/``emitted`` from the target's own tokens [R, k+1] at each
+    position: the drafts kept while they equal them, then the target's token."""
+    k = drafts.shape[1]
+    n = (drafts == tokens[:, :k]).int().cumprod(1).sum(1)
+    keep = torch.arange(k + 1, device=tokens.device)[None, :] <= n[:, None]
+    out[rows] = torch.where(keep, tokens, -1).to(torch.int32)
+    emitted[rows] = n.to(torch.int32)

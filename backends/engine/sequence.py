@@ -39,7 +39,6 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose KV is in the cache
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     num_preemptions: int = 0
     draft: DraftState = field(default_factory=DraftState)
     controls: LogitsControls | None = None   # None: no control changes its logits

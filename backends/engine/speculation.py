@@ -184,7 +184,7 @@ class Speculation:
                 # controls at each position, the drafts before it counted as output (lossless)
                 group_dead = self.controls.apply(rows_logits, group, d if k else None, masks[k])
                 v, a = verify_drafts(rows_logits, d, [s.params for s in group],
-                                     [s.generator for s in group])
+                                     [len(s.output_ids) for s in group])
                 lp = sequence_logprobs(rows_logits, [v[j, :a[j] + 1].tolist() for j in range(len(rows))],
                                        group)
                 for j, i in enumerate(rows):

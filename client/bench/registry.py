@@ -23,6 +23,8 @@ BENCHMARKS = {
     "compile": "the decode step eager against torch.compile (inductor, static shapes): does compiling pay",
     "soak": "N requests under cancellations, injected faults, extreme values and stub kills: hung, "
             "unclear failures, inexact greedy text, leaks, recovery time",
+    "chaos": "the default path (caching, --spec auto, guided, seeded, chats) under >= 10 fault kinds, every "
+             "completed response compared with a fault-free server's: differences, hung, leaks, recovery",
     "genai-perf": "genai-perf against the ensemble (triton service kind) and the OpenAI API (completions, chat)",
     "hops": "CPU µs per generated token in each serving process (decode, postprocess, tritonserver, "
             "the gRPC client, the OpenAI frontend)",

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.rdma.faults import POINTS as FAULT_POINTS
 
@@ -29,6 +30,9 @@ from tandem.client.bench.report import header, save_figure, write
 from tandem.client.paths import DEMO_CHECKPOINTS
 from tandem.client.serve.stubs import proc_state
 from tandem.client.bench.soak_workload import Outcome, PlannedRequest, make_plan, summarize, timeline
+
+if TYPE_CHECKING:
+    from tandem.client.bench.chaos_workload import ChaosRequest
 
 MODEL = "tandem"
 PROMPTS = [
@@ -116,8 +120,9 @@ def kill_schedule(text: str) -> str:
 
 # -- one request --------------------------------------------------------------------------
 
-def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
-    """Send ``req`` on its own gRPC stream; cancel it where the plan says."""
+def run_request(url: str, req: PlannedRequest | ChaosRequest, deadline_s: float) -> Outcome:
+    """Send ``req`` on its own gRPC stream; cancel it where the plan says. ``req.sampling``
+    are the ensemble's optional inputs (temperature, seed, a guide, ...)."""
     import tritonclient.grpc as grpcclient
 
     from tandem.client.generate import build_inputs, parse_response
@@ -152,6 +157,7 @@ def run_request(url: str, req: PlannedRequest, deadline_s: float) -> Outcome:
             r = parse_response(result)
             responses += 1
             text.append(r.text)
+            out.cached_tokens = max(out.cached_tokens, r.num_cached_tokens)
             if r.final:
                 out.status, out.finish_reason = "ok", r.finish_reason
                 break
@@ -327,12 +333,13 @@ CACHE_SERIES = {"hit_tokens": "tandem_prefix_cache_hits_total", "audited_pages":
                 "corrupt_pages": "tandem_prefix_cache_corrupt_pages_total"}
 
 
-def cache_counters(metrics_url: str) -> dict[str, float]:
-    """decode's prefix-cache counters, summed over its incarnations (a restarted decode's
-    dead series keep their last values, which count)."""
+def cache_counters(metrics_url: str, series: dict[str, str] = CACHE_SERIES) -> dict[str, float]:
+    """decode's counters ``series`` (default: the prefix cache's), each summed over its
+    labels and incarnations (a restarted decode's dead series keep their last values,
+    which count)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     out = {}
-    for key, name in CACHE_SERIES.items():
+    for key, name in series.items():
         out[key] = sum(float(v) for labels, v in re.findall(rf'^{name}\{{(.*)\}} (\S+)$', text, flags=re.M)
                        if 'model="decode"' in labels)
     return out

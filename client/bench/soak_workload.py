@@ -87,6 +87,7 @@ class Outcome:
     finish_reason: str = ""
     error: str | None = None
     exact: bool | None = None       # greedy and ok: equal to the engine's own text
+    cached_tokens: int = 0          # prompt tokens the prefix cache served (the server says)
 
     @property
     def clear(self) -> bool:

@@ -481,11 +481,7 @@ class TritonServer:
         process of ``model``; returns its pid once it is dead and, when supervised, once
         the supervisor has seen it (so :meth:`wait_model_ready` afterwards waits for the
         recovery)."""
-        stubs = [s for s in self.stubs() if s.model == model]
-        if not stubs:
-            have = sorted({s.model for s in self.stubs()})
-            raise ServerError(f"no live stub of model {model!r}; stubs run for: {', '.join(have) or 'none'}")
-        stub = stubs[0]
+        stub = self._stub(model)
         if self.supervisor is not None:
             self.supervisor.watch(stub)
         os.kill(stub.pid, sig)
@@ -498,6 +494,37 @@ class TritonServer:
         if self.supervisor is not None:
             self.supervisor.wait_noticed(stub.pid)
         return stub.pid
+
+    def pause_stub(self, model: str, seconds: float) -> int:
+        """SIGSTOP the stub process of ``model``, SIGCONT it ``seconds`` later (what a
+        frozen cgroup or a stalled host does to it); returns its pid."""
+        stub = self._stub(model)
+        os.kill(stub.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            try:
+                os.kill(stub.pid, signal.SIGCONT)
+            except ProcessLookupError:   # Triton killed it meanwhile (a stub it found unhealthy)
+                pass
+        return stub.pid
+
+    def roll_version(self, model: str, timeout_s: float = 300.0) -> int:
+        """Roll ``model`` as an operator does: a copy of its newest version next to it as
+        version n+1, then a load through the repository API (Triton loads n+1, then drains
+        and unloads n). Returns n+1."""
+        root = self.run_dir / "model_repository" / model
+        old = max(int(p.name) for p in root.iterdir() if p.name.isdigit())
+        shutil.copytree(root / str(old), root / str(old + 1), ignore=shutil.ignore_patterns("__pycache__"))
+        self.http.load(model, timeout_s=timeout_s)
+        return old + 1
+
+    def _stub(self, model: str) -> Stub:
+        stubs = [s for s in self.stubs() if s.model == model]
+        if not stubs:
+            have = sorted({s.model for s in self.stubs()})
+            raise ServerError(f"no live stub of model {model!r}; stubs run for: {', '.join(have) or 'none'}")
+        return stubs[0]
 
     def wait_model_ready(self, model: str, timeout_s: float = 120.0) -> float:
         """Seconds until ``model`` and the server answer ready (and no recovery is under

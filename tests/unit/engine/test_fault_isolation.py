@@ -111,7 +111,7 @@ def test_non_finite_logits_never_reach_multinomial(bad):
     logits[1, 4] = bad
     params = [SamplingParams(temperature=0.7)] * 3
     with pytest.raises(FloatingPointError, match=r"row\(s\) \[1\]"):
-        sample(logits, params, [None] * 3)
+        sample(logits, params, [0] * 3)
 
 
 def test_a_failing_prefill_request_is_dropped_alone(target_dir, monkeypatch):

@@ -146,7 +146,7 @@ def test_verification_keeps_the_grammar_masked_target_distribution(compiler):
     params = SamplingParams(temperature=1.0)
     chunk = 2000       # vocabulary-sized one-hot drafts: bounded memory
     runs = [verify_drafts(logits.expand(chunk, -1, -1), drafts.expand(chunk, -1), [params] * chunk,
-                          [None] * chunk) for _ in range(n // chunk)]
+                          [0] * chunk) for _ in range(n // chunk)]
     verified = torch.cat([v for v, _ in runs])
     accepted = [a for _, acc in runs for a in acc]
     first = verified[:, 0].long()

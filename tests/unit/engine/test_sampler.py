@@ -40,22 +40,19 @@ def test_filtered_probs_are_distributions():
 def test_same_seed_same_tokens_whatever_the_batch():
     logits = torch.randn(3, 64)
     seeded = SamplingParams(temperature=1.0, seed=7)
-    gen = lambda: torch.Generator().manual_seed(7)
-    alone = [sample(logits[1:2], [seeded], [gen()])[0] for _ in range(1)]
-    g = gen()
-    in_batch = sample(logits, [SamplingParams(temperature=0.0), seeded, SamplingParams()],
-                      [None, g, None])
+    alone = sample(logits[1:2], [seeded], [5])
+    in_batch = sample(logits, [SamplingParams(temperature=0.0), seeded, SamplingParams()], [0, 5, 9])
     assert in_batch[1] == alone[0]
     assert in_batch[0] == int(logits[0].argmax())
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(3)
-    for _ in range(3000):
-        counts[sample(logits, [SamplingParams()], [g])[0]] += 1
-    torch.testing.assert_close(counts / 3000, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+    for params in (SamplingParams(), SamplingParams(seed=3)):
+        counts = torch.zeros(3)
+        for t in range(3000):       # unseeded: torch's generator; seeded: one uniform per position
+            counts[sample(logits, [params], [t])[0]] += 1
+        torch.testing.assert_close(counts / 3000, torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", -3),

@@ -476,7 +476,7 @@ def test_verification_with_controls_keeps_the_plain_distribution():
         torch.testing.assert_close((logits[0, j] / params.temperature).softmax(-1), want)
     torch.manual_seed(0)
     verified, accepted = verify_drafts(logits.expand(n, -1, -1), drafts.expand(n, -1),
-                                       [params] * n, [None] * n)
+                                       [params] * n, [0] * n)
     first = verified[:, 0]
     p0 = hand_distribution(base[0], out, prompt, params, bans, stops)
     torch.testing.assert_close(torch.bincount(first.long(), minlength=v) / n, p0, atol=0.01, rtol=0)

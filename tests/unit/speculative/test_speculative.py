@@ -181,6 +181,19 @@ def test_seeded_sampling_reproduces_with_speculation(target_dir):
     assert a[1].token_ids == b.token_ids and len(b.token_ids) == 30
 
 
+def test_seeded_sampling_is_the_same_with_speculation_off_or_at_any_k(target_dir):
+    """A seeded request's tokens depend on its seed alone (seeded_draws.py): speculation
+    off, k 1 or 4, alone or in a batch (the reference soak compares seeded requests so)."""
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=5)
+    ps = prompts(384)[:3]
+    plain = [o.token_ids for o in LLM(target_dir).generate(ps, p)]
+    for k in (1, 4):
+        spec = spec_llm(target_dir, "draft_target", k, target_dir)
+        assert [o.token_ids for o in spec.generate(ps, p)] == plain
+        assert spec.generate(ps[2], p)[0].token_ids == plain[2]
+    assert len({tuple(t) for t in plain}) == 3
+
+
 def test_stops_inside_accepted_drafts_truncate_exactly(target_dir):
     ps = prompts(384)[:4]
     free = LLM(target_dir).generate(ps, GREEDY)

@@ -100,7 +100,7 @@ def test_greedy_shortcut_equals_one_hot_rejection_sampling():
     # drafts that agree with the argmax for a random prefix, then maybe not
     drafts = torch.where(torch.rand(64, 3, generator=g) < 0.7, best[:, :3],
                          torch.randint(0, 6, (64, 3), generator=g))
-    out, emitted = verify_drafts(logits, drafts, [SamplingParams(temperature=0)] * 64, [None] * 64)
+    out, emitted = verify_drafts(logits, drafts, [SamplingParams(temperature=0)] * 64, [0] * 64)
     p = torch.nn.functional.one_hot(best, 6).float()
     q = torch.nn.functional.one_hot(drafts, 6).float()
     ref_out, _, ref_emit = chain_speculative_sampling(q, drafts, p)
