@@ -55,6 +55,9 @@ class EngineConfig:
     # the share of prefix-cache hits whose pages' checksums (recorded at publication) are
     # recomputed before use; a changed page is dropped and recomputed (kv_cache/page_audit.py)
     kv_audit: float = 0.01
+    # the share of hits declined and computed afresh, each recomputed page compared with
+    # the cached one of its key; one that holds other KV is dropped (page_audit.py)
+    kv_audit_recompute: float = 0.0
     # the serving model's version: part of every cache key, so a rolled version never
     # reads an older one's KV
     model_version: str = ""
@@ -82,9 +85,11 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)}; allowed: an integer >= 1")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
-        if not isinstance(self.kv_audit, (int, float)) or not 0.0 <= self.kv_audit <= 1.0:
-            raise ValueError(f"kv_audit={self.kv_audit!r}; allowed: 0 to 1 (the share of prefix-cache "
-                             "hits whose pages are checked)")
+        for name in ("kv_audit", "kv_audit_recompute"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value!r}; allowed: 0 to 1 (the share of prefix-cache hits "
+                                 "whose pages are checked)")
 
     def compiles(self) -> bool:
         """Whether the engine compiles its decode step (a CPU with a C++ compiler for

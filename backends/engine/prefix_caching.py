@@ -104,7 +104,8 @@ class PrefixCaching:
         published pages are checksummed and hits audited."""
         spec = config.speculative
         on = spec is not None and spec.enabled
-        audit = PageAudit(list(pools), config.kv_audit) if pools and config.kv_audit > 0 else None
+        audit = PageAudit(list(pools), config.kv_audit, recompute_rate=config.kv_audit_recompute) \
+            if pools and (config.kv_audit > 0 or config.kv_audit_recompute > 0) else None
         return cls(allocator, config.page_size, (model_root(config),),
                    lookahead=key_lookahead(spec), proposer_kv=on and spec.has_kv, audit=audit)
 
@@ -119,8 +120,13 @@ class PrefixCaching:
     def take(self, keys: list[bytes]) -> list[int]:
         """The pages of the longest cached prefix of ``keys``, each now held once more —
         short of a page the audit found changed since it was published (that one leaves
-        the cache unless another holder keeps it, and is computed afresh)."""
-        return self.audited(self.allocator.match(keys))
+        the cache unless another holder keeps it, and is computed afresh). A hit the
+        recompute audit declines takes nothing: its pages are compared when republished."""
+        pages = self.allocator.match(keys)
+        if pages and self.audit is not None and self.audit.decline():
+            self.allocator.free(pages)
+            return []
+        return self.audited(pages)
 
     def audited(self, pages: list[int]) -> list[int]:
         """``pages`` of a hit (held by the caller), cut before the first one the audit
@@ -141,8 +147,26 @@ class PrefixCaching:
         """Publish ``pages[start:end]`` under ``keys[start:end]`` (a key cached already
         leaves its page private)."""
         for p in range(start, end):
-            if self.allocator.publish(pages[p], keys[p]) and self.audit is not None:
-                self.audit.record(pages[p])
+            if self.allocator.publish(pages[p], keys[p]):
+                if self.audit is not None:
+                    self.audit.record(pages[p])
+            elif self.audit is not None and self.audit.recompute_rate > 0:
+                self._compare(pages[p], keys[p])
+
+    def _compare(self, fresh: int, key: bytes) -> None:
+        """``fresh`` was computed for ``key``, which another page is cached under: if that
+        page holds other KV, it leaves the cache and ``fresh`` takes its place."""
+        held = self.allocator.match([key])
+        if not held:
+            return
+        cached = held[0]
+        if cached != fresh and not self.audit.agrees(cached, fresh):
+            self.allocator.withdraw([cached])   # unpublished unless another sequence holds it
+            self.allocator.free(held)
+            held = []
+            if self.allocator.publish(fresh, key):
+                self.audit.record(fresh)
+        self.allocator.free(held)
 
     def withdraw_pages(self, pages: list[int], start: int, end: int) -> int:
         """A request failed or was cancelled: what it published of ``pages[start:end]``
@@ -213,6 +237,8 @@ class PrefixCacheStats:
     evictions: int
     audited_pages: int = 0     # pages of hits whose checksum the audit recomputed
     corrupt_pages: int = 0     # ... found changed since publication (never served)
+    recompared_pages: int = 0  # pages of declined hits recomputed and compared (--kv-audit-recompute)
+    disagreeing_pages: int = 0  # ... whose cached KV was other KV (dropped, never served again)
 
     @property
     def hit_rate(self) -> float:
@@ -223,4 +249,5 @@ class PrefixCacheStats:
         s, a = prefix.allocator.stats, prefix.allocator
         audit = prefix.audit
         return cls(s.queried_pages * prefix.page_size, s.hit_pages * prefix.page_size, a.num_cached,
-                   s.evictions, audit.checked_pages if audit else 0, audit.mismatches if audit else 0)
+                   s.evictions, audit.checked_pages if audit else 0, audit.mismatches if audit else 0,
+                   audit.compared_pages if audit else 0, audit.disagreements if audit else 0)

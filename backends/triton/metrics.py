@@ -296,7 +296,11 @@ def _prefix_cache(r: _Registry, d: Deltas, c) -> None:
             ("tandem_prefix_cache_audited_pages_total", c.audited_pages,
              "cached pages of hits whose checksum was recomputed (--kv-audit)"),
             ("tandem_prefix_cache_corrupt_pages_total", c.corrupt_pages,
-             "cached pages found changed since publication: dropped and recomputed, never served")):
+             "cached pages found changed since publication: dropped and recomputed, never served"),
+            ("tandem_prefix_cache_recompared_pages_total", c.recompared_pages,
+             "pages of hits declined and recomputed, compared with the cached page (--kv-audit-recompute)"),
+            ("tandem_prefix_cache_disagreeing_pages_total", c.disagreeing_pages,
+             "cached pages whose recomputation held other KV: dropped, never served again")):
         r.metric(name, "counter", what).increment(d.take(name, total))
     r.metric("tandem_prefix_cache_hit_rate", "gauge",
              "prefix cache hits / queries (tokens) since start").set(c.hit_rate)

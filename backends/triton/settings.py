@@ -144,6 +144,12 @@ class EngineSettings:
         "the share (0 to 1) of prefix-cache hits whose pages' checksums, recorded when they were published, are "
         "recomputed before use; a page that changed is dropped from the cache and recomputed, never served "
         "(tandem_prefix_cache_corrupt_pages_total) (default: %(default)s; 0: no checksums)"))
+    kv_audit_recompute: float = setting(ENGINE_DEFAULTS["kv_audit_recompute"], "--kv-audit-recompute",
+                                        metavar="RATE", help=(
+        "the share (0 to 1) of prefix-cache hits declined and computed afresh, each recomputed page compared with "
+        "the cached page of its key: catches a page that was wrong when published, which checksums cannot; one "
+        "that disagrees is dropped (tandem_prefix_cache_disagreeing_pages_total). Costs the declined hits' prefill "
+        "(default: %(default)s)"))
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -299,7 +305,7 @@ class EngineSettings:
                     speculative=self.speculative(), enable_prefix_caching=self.prefix_caching == "on",
                     compile=self.compile,
                     compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager,
-                    kv_audit=self.kv_audit)
+                    kv_audit=self.kv_audit, kv_audit_recompute=self.kv_audit_recompute)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tandem.client.bench.args import fraction, non_negative_float, positive_float, positive_int
+from tandem.client.bench.args import ArgumentTypeError, fraction, non_negative_float, positive_float, positive_int
 from tandem.client.bench.chaos_workload import (DEFAULT_SCHEDULE, ChaosRequest, FaultRecord, completed_keys,
                                                 differences, kinds, make_plan, parse_schedule, schedule)
 from tandem.client.bench.harness import start_server, work_dir
@@ -40,7 +40,9 @@ from tandem.client.bench.soak_workload import Outcome, summarize, timeline
 from tandem.client.paths import DEMO_CHECKPOINTS
 
 # decode's counters the report gives: the prefix cache's, and the transfers that failed
-COUNTERS = {**CACHE_SERIES, "transfer_failures": "tandem_kv_transfer_failures_total",
+COUNTERS = {**CACHE_SERIES, "recompared_pages": "tandem_prefix_cache_recompared_pages_total",
+            "disagreeing_pages": "tandem_prefix_cache_disagreeing_pages_total",
+            "transfer_failures": "tandem_kv_transfer_failures_total",
             "transfers_recomputed": "tandem_kv_transfer_recomputed_total"}
 PROBE = ChaosRequest(-1, "def fibonacci(n):\n    ", 8, {"temperature": 0.0}, "greedy", None)
 # the flood's prompts: long, and each its own (no shared pages to fall back on)
@@ -56,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests with a guide (JSON schema, regex, any JSON), greedy or seeded")
     p.add_argument("--extreme-frac", type=fraction, default=0.02, help="requests with extreme sampling values")
     p.add_argument("--chat-frac", type=fraction, default=0.3, help="requests that are later turns of a chat")
-    p.add_argument("--transfer-faults", default="transfer_fail=0.05@mid_layers,drop_sender=0.01,"
+    p.add_argument("--transfer-faults", type=transfer_faults, default="transfer_fail=0.05@mid_layers,drop_sender=0.01,"
                                                 "prefill_delay_ms=300@0.05",
                    help="the server's --faults, all run long (TANDEM_FAULTS' syntax; '' for none)")
     p.add_argument("--schedule", type=schedule, default=DEFAULT_SCHEDULE,
@@ -74,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="remote: every prompt's KV crosses the transfer path, where the transfer faults strike")
     p.add_argument("--spec", default="auto", help="the server's --spec")
     p.add_argument("--kv-audit", type=fraction, default=1.0, help="the server's --kv-audit")
+    p.add_argument("--kv-audit-recompute", type=fraction, default=0.05,
+                   help="the server's --kv-audit-recompute (hits declined, recomputed and compared)")
     p.add_argument("--deadline-s", type=positive_float, default=120.0,
                    help="a request with no final response by then counts as hung")
     p.add_argument("--max-seconds", type=positive_float, default=1800.0, help="stop sending new requests after this")
@@ -86,6 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both servers' (float32: a token's choice does not flip with the batch's shape)")
     p.add_argument("--keep-work", action="store_true", help="keep both servers' run dirs and logs")
     p.add_argument("--out", type=Path, default=Path("docs/bench/chaos.json"))
+
+
+def transfer_faults(text: str) -> str:
+    """``--transfer-faults``' type: ``text`` as written, once TANDEM_FAULTS' parser takes it."""
+    from tandem.rdma.faults import Faults
+    try:
+        Faults.parse(text)
+    except ValueError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "no_difference": not diffs and not ref_failed,
         "none_hung": summary.hung == 0,
         "failures_clear": summary.failed_unclear == 0,
+        "no_bad_page": not chaos["cache"]["corrupt_pages"] and not chaos["cache"]["disagreeing_pages"],
         "nothing_leaked": not leaked and not chaos["shm_leaked"] and not fds_gained,
         "recovered_within_15s": all(f.ended_s is not None and f.ended_s - f.began_s <= 15.0 for f in kills),
         "fault_kinds_at_least_10": len(fault_kinds(chaos["faults"])) >= 10,
@@ -127,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {k: getattr(args, k) for k in (
             "requests", "concurrency", "cancel_frac", "seeded_frac", "guided_frac", "extreme_frac", "chat_frac",
             "transfer_faults", "schedule", "stop_s", "flood_requests", "flood_tokens", "num_pages",
-            "disagg_policy", "spec", "kv_audit", "deadline_s", "seed", "dtype")},
+            "disagg_policy", "spec", "kv_audit", "kv_audit_recompute", "deadline_s", "seed", "dtype")},
         "elapsed_s": round(chaos["elapsed_s"], 1),
         "summary": summary.as_dict(), "by_kind": kinds(plan, outcomes),
         "compared": sum(o.status == "ok" for o in outcomes), "distinct_compared": len(reference),
@@ -156,7 +171,8 @@ def server_options(args: argparse.Namespace, faults: str, caching: bool):
     return ServeOptions.of(model_dir=args.model_dir, dtype=args.dtype, torch_threads=1, mode="disaggregated",
                            faults=faults, disagg_policy=args.disagg_policy, spec_method=args.spec,
                            num_pages=args.num_pages, prefix_caching="on" if caching else "off",
-                           kv_audit=args.kv_audit if caching else 0.0)
+                           kv_audit=args.kv_audit if caching else 0.0,
+                           kv_audit_recompute=args.kv_audit_recompute if caching else 0.0)
 
 
 def flood_plan(model_dir: str, n: int, tokens: int, first_index: int) -> list[ChaosRequest]:
@@ -361,7 +377,9 @@ def _print(report: dict) -> None:
           f"{len(report['differences'])} differ; reference failures {len(report['reference_failed'])}")
     print(f"completed requests served from the prefix cache: {report['cached_requests']}; "
           f"pages audited {report['prefix_cache']['audited_pages']:.0f}, "
-          f"changed {report['prefix_cache']['corrupt_pages']:.0f}; KV transfers failed "
+          f"changed {report['prefix_cache']['corrupt_pages']:.0f}; pages recomputed and compared "
+          f"{report['prefix_cache']['recompared_pages']:.0f}, disagreeing "
+          f"{report['prefix_cache']['disagreeing_pages']:.0f}; KV transfers failed "
           f"{report['prefix_cache']['transfer_failures']:.0f}, of which decode recomputed "
           f"{report['prefix_cache']['transfers_recomputed']:.0f}")
     print(f"failed without a clear reason: {s['failed_unclear']}; leaked pages {report['leaked_pages'] or 0}, "

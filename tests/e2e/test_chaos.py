@@ -34,4 +34,5 @@ def test_every_completed_response_equals_the_fault_free_servers(tmp_path, capsys
     # the comparison covered what it claims to: each kind of request, chats served from the cache
     assert {k for k, by in report["by_kind"].items() if by.get("ok")} >= {"greedy", "seeded", "guided", "flood"}
     assert report["cached_requests"] > 0 and report["prefix_cache"]["corrupt_pages"] == 0
+    assert report["prefix_cache"]["disagreeing_pages"] == 0
     assert code == (0 if report["goals_met"] else 1)   # the speed goals are the bench's, not the test's

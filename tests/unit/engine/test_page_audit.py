@@ -139,3 +139,49 @@ def test_the_prefill_engines_cache_is_audited(target_dir):
 def test_page_audit_refuses_a_rate_out_of_range():
     with pytest.raises(ValueError, match="kv_audit 2; allowed: 0 to 1"):
         PageAudit([], 2)
+
+
+# -- the recompute audit: a page wrong when it was published -----------------------------
+
+def rewrite_as_published(llm, page, other_page):
+    """Make ``page`` hold ``other_page``'s KV and record that as its published content:
+    the checksum agrees, as it would with a page written wrong before publication."""
+    pool = llm.engine.pool
+    pool.kv[:, page] = pool.kv[:, other_page]
+    llm.engine.prefix.audit.record(page)
+
+
+def test_a_page_wrong_when_published_is_found_by_recomputing(target_dir):
+    """Checksums pass a page that was wrong from the start; with kv_audit_recompute=1 the
+    hit is declined, the recomputed page disagrees with the cached one, the cached one
+    is replaced, and no output ever carries it."""
+    prompt, other = tokens(41, 3), tokens(41, 4)
+    reference = LLM(target_dir, dtype="float32", page_size=PAGE, enable_prefix_caching=False)
+    want, _ = run(reference, prompt)
+    checked = LLM(target_dir, dtype="float32", page_size=PAGE, kv_audit=1.0)
+    recomputing = LLM(target_dir, dtype="float32", page_size=PAGE, kv_audit=1.0, kv_audit_recompute=1.0)
+    for llm in (checked, recomputing):
+        assert run(llm, prompt) == (want, 0)
+        run(llm, other)
+        rewrite_as_published(llm, cached_pages(llm, prompt)[2], cached_pages(llm, other)[2])
+    # checksums alone pass it: the wrong page is served
+    assert run(checked, prompt)[1] == 40
+    stats = PrefixCacheStats.of(recomputing.engine.prefix)
+    assert run(recomputing, prompt) == (want, 0)          # declined: computed afresh
+    after = PrefixCacheStats.of(recomputing.engine.prefix)
+    assert after.recompared_pages - stats.recompared_pages == 6   # 5 of the prompt, 1 of its output
+    assert after.disagreeing_pages == 1 and after.corrupt_pages == 0
+    recomputing.engine.prefix.audit.recompute_rate = 0.0   # hits used again: the fresh page is cached
+    assert run(recomputing, prompt) == (want, 40)
+
+
+def test_recomputed_pages_agree_whatever_the_batch(target_dir):
+    """No false alarm: the same prefixes recomputed in other batches and chunkings (bf16,
+    where rounding differs most) always agree with the cached pages."""
+    llm = LLM(target_dir, dtype="bfloat16", page_size=PAGE, kv_audit_recompute=1.0, max_num_batched_tokens=24)
+    prompts = [tokens(40 + 3 * i, 10 + i % 3) for i in range(9)]   # 3 shared prefixes, other lengths
+    llm.generate(prompts[:3], GREEDY)
+    for _ in range(2):
+        llm.generate(prompts, GREEDY)
+    stats = PrefixCacheStats.of(llm.engine.prefix)
+    assert stats.recompared_pages > 20 and stats.disagreeing_pages == 0
