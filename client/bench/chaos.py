@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcomes)
     kills = [f for f in chaos["faults"] if f.fault.startswith("kill:")]
     slowest = max((f.ended_s - f.began_s for f in chaos["faults"] if f.ended_s is not None), default=0.0)
-    fds_gained = _gained(chaos["fds_before"], chaos["fds_after"])
+    # descriptors are compared within one tritonserver process (None: it was restarted)
+    fds_gained = None if chaos["fds_before"] is None else _gained(chaos["fds_before"], chaos["fds_after"])
     leaked = {k: v for k, v in chaos["pages_after"].items() if k.endswith(("/reserved", "/in_use")) and v}
     goals = {
         "no_difference": not diffs and not ref_failed,
@@ -151,10 +152,11 @@ def run(args: argparse.Namespace) -> int:
         "cached_requests": sum(o.status == "ok" and o.cached_tokens > 0 for o in outcomes),
         "prefix_cache": chaos["cache"],
         "faults": [asdict(f) for f in chaos["faults"]], "fault_kinds": fault_kinds(chaos["faults"]),
-        "faults_not_run": chaos["not_run"],
+        "faults_not_run": chaos["not_run"], "old_versions_unloaded": chaos["drains"],
         "slowest_recovery_s": round(slowest, 2),
         "pages_before": chaos["pages_before"], "pages_after": chaos["pages_after"], "leaked_pages": leaked,
-        "shm_leaked": chaos["shm_leaked"], "fds_before": len(chaos["fds_before"]),
+        "shm_leaked": chaos["shm_leaked"],
+        "fds_before": None if chaos["fds_before"] is None else len(chaos["fds_before"]),
         "fds_after": len(chaos["fds_after"]), "fds_gained": fds_gained,
         "server_crashes": chaos["crashes"],
         "goals": goals, "goals_met": all(goals.values()),
@@ -205,7 +207,8 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
         raise RuntimeError(f"the server does not answer a probe: {probe_want.error}")
     pages_before = wait_idle(server.metrics_url)
     shm_before = set(server.owned_segments())
-    fds_before = _fds(server.process.pid)
+    first_pid = server.process.pid
+    fds_before = _fds(first_pid)
     regular = [r for r in plan if r.kind != "flood"]
     sent = itertools.count()
     schedule_done = threading.Event()
@@ -221,6 +224,7 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
 
     flooding: list[Future] = []
     not_run: list[str] = []
+    drains: list[dict] = []   # rolled models' old versions: how long they took to unload
 
     def record(o: Outcome) -> None:
         with lock:
@@ -260,7 +264,7 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
                 began = time.monotonic()
                 name = f"{f.action}:{f.model}" if f.model else f.action
                 try:
-                    detail = _inject(server, f.action, f.model, args, flood, record, flooding)
+                    detail = _inject(server, f.action, f.model, args, flood, record, flooding, drains)
                 except Exception as exc:   # a fault that could not be injected is reported, not fatal
                     not_run.append(f"{f}: {exc}")
                     continue
@@ -283,30 +287,51 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
     pages_after = wait_idle(server.metrics_url)
     # descriptors of connections just closed go a moment later
     pid = server.process.pid
+    if pid != first_pid:   # restarted: the new process has no idle baseline to compare with
+        fds_before = None
     settle = time.monotonic() + 15.0
-    while _gained(fds_before, fds_after := _fds(pid)) and time.monotonic() < settle:
+    while _gained(fds_before or [], fds_after := _fds(pid)) and fds_before is not None \
+            and time.monotonic() < settle:
         time.sleep(0.5)
     return {"outcomes": outcomes, "faults": faults, "start": start, "elapsed_s": elapsed,
             "pages_before": pages_before, "pages_after": pages_after, "cache": cache_counters(server.metrics_url, COUNTERS),
             "shm_leaked": sorted(set(server.owned_segments()) - shm_before - _live_segments(server)),
             "fds_before": fds_before, "fds_after": fds_after, "crashes": server.crashes(),
-            "not_run": not_run}
+            "not_run": not_run, "drains": drains}
 
 
 def _inject(server, action: str, model: str, args: argparse.Namespace, flood: list[ChaosRequest],
-            record, flooding: list[Future]) -> str:
+            record, flooding: list[Future], drains: list[dict]) -> str:
     if action == "kill":
         return f"pid {server.kill_stub(model)}"
     if action == "stop":
         return f"pid {server.pause_stub(model, args.stop_s)} stopped {args.stop_s:g} s"
     if action == "roll":
-        return f"version {server.roll_version(model)}"
+        version = server.roll_version(model)
+        threading.Thread(target=_watch_unload, args=(server, model, version, drains), daemon=True).start()
+        return f"version {version}"
     # flood: every long prompt at once, each on its own stream; their outcomes count
     pool = ThreadPoolExecutor(len(flood))
     flooding += [pool.submit(lambda r=req: record(run_request(server.grpc_url, r, args.deadline_s)))
                  for req in flood]
     pool.shutdown(wait=False)
     return f"{len(flood)} prompts of {args.flood_tokens} tokens"
+
+
+def _watch_unload(server, model: str, version: int, drains: list[dict], timeout_s: float = 120.0) -> None:
+    """How long the rolled model's old version took to drain and unload (Triton waits for
+    its in-flight requests): a version that never goes holds requests it never ends."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        try:
+            unloading = "UNLOADING" in server.http.states().get(model, set())
+        except Exception:   # the server restarts
+            unloading = True
+        if not unloading:
+            drains.append({"model": model, "version": version - 1, "unloaded_after_s": round(time.monotonic() - began, 1)})
+            return
+        time.sleep(0.5)
+    drains.append({"model": model, "version": version - 1, "unloaded_after_s": None})
 
 
 def _fds(pid: int) -> list[str]:
@@ -384,11 +409,14 @@ def _print(report: dict) -> None:
           f"{report['prefix_cache']['transfers_recomputed']:.0f}")
     print(f"failed without a clear reason: {s['failed_unclear']}; leaked pages {report['leaked_pages'] or 0}, "
           f"shm {report['shm_leaked'] or 0}, tritonserver fds {report['fds_before']} -> {report['fds_after']} "
-          f"(gained: {report['fds_gained'] or 'none'})")
+          f"(gained: {'not compared: tritonserver was restarted' if report['fds_gained'] is None else report['fds_gained'] or 'none'})")
     print(f"{'fault':<28}{'at s':>8}{'right again s':>15}")
     for f in report["faults"]:
         again = "-" if f["ended_s"] is None else f"{f['ended_s'] - f['began_s']:.2f}"
         print(f"{f['fault']:<28}{f['began_s']:>8.1f}{again:>15}")
+    for d in report["old_versions_unloaded"]:
+        print(f"  rolled {d['model']}: version {d['version']} unloaded after "
+              f"{'(still loaded)' if d['unloaded_after_s'] is None else d['unloaded_after_s']} s")
     for line in report["faults_not_run"]:
         print(f"  NOT RUN {line}")
     for d in report["differences"][:10]:

@@ -30,7 +30,8 @@ def test_every_completed_response_equals_the_fault_free_servers(tmp_path, capsys
     assert report["differences"] == [] and report["reference_failed"] == [], printed
     s = report["summary"]
     assert s["hung"] == 0 and s["failed_unclear"] == 0, s["errors"]
-    assert report["leaked_pages"] == {} and report["shm_leaked"] == [] and report["fds_gained"] == [], printed
+    # descriptors: compared within one tritonserver process (None: the decode kill restarted it)
+    assert report["leaked_pages"] == {} and report["shm_leaked"] == [] and report["fds_gained"] in ([], None), printed
     # the comparison covered what it claims to: each kind of request, chats served from the cache
     assert {k for k, by in report["by_kind"].items() if by.get("ok")} >= {"greedy", "seeded", "guided", "flood"}
     assert report["cached_requests"] > 0 and report["prefix_cache"]["corrupt_pages"] == 0
