@@ -58,6 +58,6 @@ $(GENAI_STAMP): $(STAMP)
 
 # every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png;
 # peers installs vLLM's CPU build into .venv-peers/ on its first run
-BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak genai-perf peers prefix
+BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak chaos genai-perf peers prefix
 bench: $(STAMP) $(GENAI_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

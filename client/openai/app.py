@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .auth import ApiKeyMiddleware
 from .chat_template import ChatTemplate, ChatTemplateError
 from .ensemble_request import CACHED_OUTPUT, LOG_PROBS_OUTPUT, ensemble_inputs
 from .metrics import FrontendMetrics, MetricsMiddleware
@@ -94,9 +95,10 @@ class Frontend:
 
 
 def create_app(triton_url: str, models: list[str], model_dir: str | Path | None = None,
-               request_timeout_s: float = 600.0) -> FastAPI:
+               request_timeout_s: float = 600.0, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``models`` (text ensembles of the tritonserver at gRPC
-    ``triton_url``); ``model_dir`` is the checkpoint (its chat template and tokenizer)."""
+    ``triton_url``); ``model_dir`` is the checkpoint (its chat template and tokenizer);
+    with ``api_key``, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (:mod:`.auth`)."""
     fe = Frontend(triton_url, models, model_dir, request_timeout_s)
 
     @asynccontextmanager
@@ -109,7 +111,9 @@ def create_app(triton_url: str, models: list[str], model_dir: str | Path | None 
 
     app = FastAPI(title="Tandem OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.frontend = fe
-    app.add_middleware(MetricsMiddleware, metrics=fe.metrics)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=fe.metrics)   # outermost: counts the 401s too
     _error_handlers(app)
 
     @app.get("/v1/models")
@@ -149,11 +153,12 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
     if len(prompts) * body.n > MAX_CHOICES:
         raise invalid("n", f"{len(prompts)} prompts x n={body.n} choices; allowed: at most {MAX_CHOICES}")
     logprobs = body.logprobs is not None
-    arrays = await _inputs(fe, model, body, [(p, j) for p in prompts for j in range(body.n)],
+    target = model if isinstance(prompts[0], str) else await _tokens_route(fe, model)
+    arrays = await _inputs(fe, target, body, [(p, j) for p in prompts for j in range(body.n)],
                            body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
     rid, created = new_id("cmpl"), now()
-    events = await _start(fe, model, arrays, rid)
-    echo = [prompts[i // body.n] if body.echo else "" for i in range(len(arrays))]
+    events = await _start(fe, target, arrays, rid)
+    echo = [_prompt_text(fe, prompts[i // body.n]) if body.echo else "" for i in range(len(arrays))]
     top = bool(body.logprobs)
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> str:
@@ -285,6 +290,25 @@ async def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> Asyn
         (CACHED_OUTPUT,) if fe.backend.declares_output(model, CACHED_OUTPUT) else ())
     return merged([fe.backend.generate(target, a, request_id=f"{rid}-{i}", outputs=wanted, cancel_model=cancel)
                    for i, a in enumerate(arrays)])
+
+
+async def _tokens_route(fe: Frontend, model: str) -> str:
+    """The ensemble that takes ``model``'s token-id prompts; 400 where the server has none."""
+    twin = await fe.backend.tokens_route(model)
+    if twin is None:
+        raise invalid("prompt", f"token-id prompts need the token-ids twin of {model!r} (tandem_tokens, on the "
+                                "disaggregated path), which this server does not serve; send text")
+    return twin
+
+
+def _prompt_text(fe: Frontend, prompt: str | list[int]) -> str:
+    """What ``echo`` puts before the completion: the prompt, a token-id one decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if fe.checkpoint.tokenizer is None:
+        raise invalid("echo", "echo of a token-id prompt needs the checkpoint's tokenizer, which this API "
+                              "was started without")
+    return fe.checkpoint.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 def _rest_of_context(fe: Frontend, prompt: str) -> int:

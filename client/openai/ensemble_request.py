@@ -54,14 +54,18 @@ def one(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
 
-def ensemble_inputs(req: _Request, prompt: str, declared: frozenset[str] | set[str], *, index: int,
+def ensemble_inputs(req: _Request, prompt: str | list[int], declared: frozenset[str] | set[str], *, index: int,
                     max_tokens: int, stream: bool = False, logprobs: bool = False,
                     model: str = "tandem") -> dict[str, np.ndarray]:
-    """The input tensors of choice ``index`` of ``req`` for ``prompt``; raises
-    :class:`OpenAIError` (400) for a field the ensemble (inputs ``declared``) cannot take."""
-    arrays = {"text_input": one(prompt.encode("utf-8"), np.object_),
-              "max_tokens": one(max_tokens, np.int32), "stream": one(stream, np.bool_)}
-    if "exclude_input_in_output" in declared:
+    """The input tensors of choice ``index`` of ``req`` for ``prompt`` (text, or token ids
+    for a tokens ensemble's ``input_ids``); raises :class:`OpenAIError` (400) for a field
+    the ensemble (inputs ``declared``) cannot take."""
+    arrays = {"max_tokens": one(max_tokens, np.int32), "stream": one(stream, np.bool_)}
+    if isinstance(prompt, str):
+        arrays["text_input"] = one(prompt.encode("utf-8"), np.object_)
+    else:
+        arrays["input_ids"] = np.array([prompt], dtype=np.int32)
+    if "exclude_input_in_output" in declared and isinstance(prompt, str):
         arrays["exclude_input_in_output"] = one(True, np.bool_)   # echo is done here
     if req.temperature is not None:
         arrays["temperature"] = one(req.temperature, np.float32)

@@ -196,16 +196,26 @@ class CompletionRequest(_Request):
 
     _prompt_is_text = field_validator("prompt", "suffix")(utf8_text)
 
-    def prompts(self) -> list[str]:
-        """The text prompts; token-id prompts are refused (the text ensemble takes text)."""
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts: text, or token ids (a list of ints, or a list of such lists).
+
+        >>> CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts(), CompletionRequest(model="m", prompt=[5]).prompts()
+        ([[1, 2], [3]], [[5]])
+        """
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, str) for x in p):
-            return list(p)
         if not p:
-            raise invalid("prompt", "empty; send a string or a list of strings")
-        raise invalid("prompt", "token-id prompts are not supported by the text ensemble; send text")
+            raise invalid("prompt", "empty; send a string, a list of strings, a list of token ids or a list "
+                                    "of such lists")
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        ids = [p] if all(isinstance(x, int) for x in p) else p
+        if not all(isinstance(x, list) and x and all(isinstance(t, int) and 0 <= t < 2 ** 31 for t in x)
+                   for x in ids):
+            raise invalid("prompt", "token-id prompts must be non-empty lists of token ids >= 0 (one list, or "
+                                    "a list of lists), not mixed with text")
+        return [list(x) for x in ids]
 
     def unsupported(self) -> None:
         self.common_unsupported()

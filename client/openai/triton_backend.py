@@ -167,6 +167,13 @@ class TritonBackend:
             self._routes[model] = route
         return self._routes[model]
 
+    async def tokens_route(self, model: str) -> str | None:
+        """The ensemble that takes ``model``'s prompts as token ids (``input_ids``), when the
+        server serves one (the disaggregated path's ``tandem_tokens``), else None."""
+        from tandem.client.serve.options import TOKENS
+        twin = TOKENS.get(model)
+        return twin if twin is not None and await self._serves(twin) else None
+
     async def _serves(self, model: str) -> bool:
         try:
             return bool(await self.client.is_model_ready(model))

@@ -64,6 +64,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
                    help="port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) in front of the text ensembles, on --host (default: %(default)s; 0: off)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the OpenAI API's /v1/* answers only requests with 'Authorization: Bearer KEY' (401 "
+                        "otherwise; /health and /metrics stay open). Prefer TANDEM_API_KEY: a command line is "
+                        "visible to every user of the host (default: none, open)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM: not ready and no new requests at once, then at most this many seconds "
                         "for the streams in flight to finish before the server stops (default: %(default)s; "
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     api = None
     try:
         server.start()
-        api = start_for(server, args.openai_port)   # None when off or nothing to front
+        api = start_for(server, args.openai_port, api_key=args.api_key)   # None when off or nothing to front
         phase[0] = "serving"
         engine = options.engine
         print(f"tandem: serving {engine.model_dir} ({options.mode}), {engine.dtype} "
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
         if api is not None:
-            print(f"  OpenAI   {api.base_url}   (/completions, /chat/completions, /models; its metrics: /metrics)")
+            key = "; /v1/* requires the API key" if args.api_key else ""
+            print(f"  OpenAI   {api.base_url}   (/completions, /chat/completions, /models; its metrics: /metrics{key})")
         if server.supervise:
             print("  supervised: a dead model is reloaded, a dead server restarted")
         print("Ctrl-C to stop.", flush=True)

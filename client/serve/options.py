@@ -36,6 +36,8 @@ ENSEMBLES = {
 # the text ensembles' twins without postprocess (one hop less per token), which the OpenAI
 # API streams from; their clients cancel through the "cancel" model
 DIRECT = {"tandem": "tandem_direct", "tandem_colocated": "tandem_colocated_direct"}
+# the text ensembles' twins that take token ids (the OpenAI API's token-id prompts)
+TOKENS = {"tandem": "tandem_tokens"}
 COLOCATED = ("preprocess", "llm", "postprocess", "cancel", "tandem_colocated", "tandem_colocated_direct")
 PREFILL = ("prefill",)   # a prefill server: decode servers send it jobs (--prefill-endpoints)
 # the disaggregated path; "prefill" is no step of its ensembles: kv_transfer hands it jobs

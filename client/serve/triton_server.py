@@ -520,11 +520,13 @@ class TritonServer:
         return old + 1
 
     def _stub(self, model: str) -> Stub:
+        """The stub serving ``model``'s newest version (during a roll the old version's
+        stub drains alongside it)."""
         stubs = [s for s in self.stubs() if s.model == model]
         if not stubs:
             have = sorted({s.model for s in self.stubs()})
             raise ServerError(f"no live stub of model {model!r}; stubs run for: {', '.join(have) or 'none'}")
-        return stubs[0]
+        return max(stubs, key=lambda s: (int(s.version) if s.version.isdigit() else -1, s.pid))
 
     def wait_model_ready(self, model: str, timeout_s: float = 120.0) -> float:
         """Seconds until ``model`` and the server answer ready (and no recovery is under

@@ -237,6 +237,45 @@ def test_penalties_reach_the_ensemble_when_it_declares_them(served, client):
             client.completions.create(**kwargs)
 
 
+def test_token_id_prompts_complete_as_their_text_does(served, client, demo_checkpoint):
+    """Token-id prompts (one list, or a list of lists: what lm-evaluation-harness sends) go
+    to the token-ids twin and complete exactly as the same tokens sent as text; echo puts
+    the decoded prompt first; ids outside the vocabulary are a 400 naming the field."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(demo_checkpoint / "tokenizer.json"))
+    other = "class Stack:\n    def push(self, x):"
+    ids = [tok.encode(PROMPT).ids, tok.encode(other).ids]
+    want = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0.0).choices[0].text
+            for p in (PROMPT, other)]
+    one = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, temperature=0.0)
+    assert one.choices[0].text == want[0] and one.usage.prompt_tokens == len(ids[0])
+    both = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0.0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == want
+    echoed = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, temperature=0.0, echo=True)
+    assert echoed.choices[0].text == tok.decode(ids[0], skip_special_tokens=False) + want[0]
+    streamed = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, temperature=0.0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want[0]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=[10 ** 6], max_tokens=4)
+    assert exc.value.status_code == 400
+
+
+def test_an_api_key_is_required_by_the_openai_package_s_own_client(served, demo_checkpoint):
+    """``--api-key``: the `openai` package sends its key as a bearer token; a wrong one is
+    its AuthenticationError (401), the right one serves the same greedy text."""
+    from tandem.client.openai.frontend import OpenAIFrontend
+    key = "sk-tandem-e2e-key"
+    with OpenAIFrontend(served.grpc_url, [MODEL], str(demo_checkpoint), port=free_port(), api_key=key) as api:
+        wrong = openai.OpenAI(base_url=api.base_url, api_key="sk-wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as exc:
+            wrong.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert exc.value.status_code == 401 and key not in str(exc.value.body)
+        right = openai.OpenAI(base_url=api.base_url, api_key=key, max_retries=0, timeout=120)
+        got = right.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.0)
+        assert got.choices[0].text == ensemble_text(served, PROMPT, 8)[0]
+        assert [m.id for m in right.models.list()] == [MODEL]
+
+
 def test_the_frontend_counts_requests_and_errors(served, client):
     client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     text = urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()

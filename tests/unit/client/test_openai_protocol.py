@@ -34,12 +34,23 @@ def test_out_of_range_fields_are_refused_by_name(field, value):
     assert e.value.errors()[0]["loc"] == (field,)
 
 
-def test_prompts_text_and_lists_of_text_only():
+def test_prompts_text_or_token_ids():
     assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
-    for prompt in ([1, 2, 3], [[1, 2]], []):
+    assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [7]]).prompts() == [[1, 2], [7]]
+    for prompt in ([], [[]], [[1, 2], []], [-1], [2 ** 31], [[1], [-3]]):
         with pytest.raises(OpenAIError) as e:
             CompletionRequest(model="m", prompt=prompt).prompts()
-        assert e.value.status == 400 and e.value.param == "prompt"
+        assert e.value.status == 400 and e.value.param == "prompt", prompt
+
+
+def test_a_token_id_prompt_is_the_ensembles_input_ids():
+    from tandem.client.openai.ensemble_request import ensemble_inputs
+    req = CompletionRequest(model="m", prompt=[5, 6, 7], max_tokens=4)
+    declared = {"input_ids", "max_tokens", "stream", "exclude_input_in_output"}
+    arrays = ensemble_inputs(req, [5, 6, 7], declared, index=0, max_tokens=4, model="tandem_tokens")
+    assert arrays["input_ids"].dtype.name == "int32" and arrays["input_ids"].tolist() == [[5, 6, 7]]
+    assert "text_input" not in arrays and "exclude_input_in_output" not in arrays
 
 
 @pytest.mark.parametrize("fields,param", [(dict(suffix="x"), "suffix"), (dict(best_of=3), "best_of"),
