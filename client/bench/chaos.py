@@ -245,12 +245,15 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
             if o.status == "failed":
                 time.sleep(args.backoff_s)
 
-    def recovered(began: float) -> float | None:
-        """Seconds (since the start) when a probe returned the right text again."""
+    def recovered(began: float, misses: dict[str, int]) -> float | None:
+        """Seconds (since the start) when a probe returned the right text again; why the
+        probes before it missed, in ``misses``."""
         while time.monotonic() - began < args.recovery_timeout_s:
             o = run_request(server.grpc_url, PROBE, 10.0)
             if o.status == "ok" and o.text == probe_want.text:
                 return o.ended_at - start
+            why = "wrong text" if o.status == "ok" else f"{o.status}: {(o.error or '')[:100]}"
+            misses[why] = misses.get(why, 0) + 1
             time.sleep(0.25)
         return None
 
@@ -268,8 +271,10 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
                 except Exception as exc:   # a fault that could not be injected is reported, not fatal
                     not_run.append(f"{f}: {exc}")
                     continue
-                ended = recovered(began)
-                faults.append(FaultRecord(name, round(began - start, 2), None if ended is None else round(ended, 2)))
+                misses: dict[str, int] = {}
+                ended = recovered(began, misses)
+                faults.append(FaultRecord(name, round(began - start, 2), None if ended is None else round(ended, 2),
+                                          misses))
                 print(f"  {name} at {began - start:.1f} s ({detail}): right text again "
                       f"{'never' if ended is None else f'{ended - (began - start):.2f} s later'}", flush=True)
         finally:
@@ -413,7 +418,8 @@ def _print(report: dict) -> None:
     print(f"{'fault':<28}{'at s':>8}{'right again s':>15}")
     for f in report["faults"]:
         again = "-" if f["ended_s"] is None else f"{f['ended_s'] - f['began_s']:.2f}"
-        print(f"{f['fault']:<28}{f['began_s']:>8.1f}{again:>15}")
+        print(f"{f['fault']:<28}{f['began_s']:>8.1f}{again:>15}  "
+              + "; ".join(f"{n}x {why}" for why, n in f.get("misses", {}).items()))
     for d in report["old_versions_unloaded"]:
         print(f"  rolled {d['model']}: version {d['version']} unloaded after "
               f"{'(still loaded)' if d['unloaded_after_s'] is None else d['unloaded_after_s']} s")

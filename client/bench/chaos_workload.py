@@ -184,6 +184,7 @@ class FaultRecord:
     fault: str                      # e.g. "kill:prefill", "transfer_fail@mid_layers"
     began_s: float
     ended_s: float | None           # None: still unrecovered when the run ended
+    misses: dict[str, int] = field(default_factory=dict)   # why probes failed meanwhile -> count
 
 
 @dataclass(slots=True)
