@@ -35,7 +35,7 @@ from tandem.client.bench.chaos_workload import (DEFAULT_SCHEDULE, ChaosRequest, 
                                                 differences, kinds, make_plan, parse_schedule, schedule)
 from tandem.client.bench.harness import start_server, work_dir
 from tandem.client.bench.report import header, save_figure, write
-from tandem.client.bench.soak import CACHE_SERIES, cache_counters, run_request, wait_idle
+from tandem.client.bench.soak import CACHE_SERIES, cache_counters, outcome_bars, run_request, wait_idle
 from tandem.client.bench.soak_workload import Outcome, summarize, timeline
 from tandem.client.paths import DEMO_CHECKPOINTS
 
@@ -437,21 +437,12 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    tl = report["timeline_5s"]
     fig, ax = plt.subplots(figsize=(9, 3.8))
-    xs = [5 * i for i in range(len(tl["ok"]))]
-    bottom = [0] * len(xs)
-    for status, color in (("ok", "tab:green"), ("cancelled", "tab:gray"), ("failed", "tab:red"),
-                          ("hung", "black")):
-        ax.bar(xs, tl[status], width=4.5, bottom=bottom, color=color, label=status, align="edge")
-        bottom = [b + v for b, v in zip(bottom, tl[status])]
-    top = max(bottom or [1])
+    top = outcome_bars(ax, report["timeline_5s"])
     for i, f in enumerate(f for f in report["faults"] if f["began_s"] > 0):
         ax.axvline(f["began_s"], color="tab:purple", ls="--", lw=0.8)
         ax.text(f["began_s"], top * (1 - 0.08 * (i % 4)), f" {f['fault']}", color="tab:purple", fontsize=6,
                 va="top")
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("requests ended per 5 s")
     ax.legend(fontsize=7, ncol=4, loc="lower right")
     ax.set_title(f"chaos: {len(report['differences'])} of {report['compared']} completed responses differ "
                  "from a fault-free server's", fontsize=9)

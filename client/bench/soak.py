@@ -363,23 +363,28 @@ def _print(report: dict) -> None:
         print(f"  {n:>5}  {msg}")
 
 
+def outcome_bars(ax, timeline_5s: dict[str, list[int]]) -> int:
+    """Requests ended per 5 s, stacked by how they ended; returns the tallest stack."""
+    xs = [5 * i for i in range(len(timeline_5s["ok"]))]
+    bottom = [0] * len(xs)
+    for status, color in (("ok", "tab:green"), ("cancelled", "tab:gray"), ("failed", "tab:red"),
+                          ("hung", "black")):
+        ax.bar(xs, timeline_5s[status], width=4.5, bottom=bottom, color=color, label=status, align="edge")
+        bottom = [b + v for b, v in zip(bottom, timeline_5s[status])]
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("requests ended per 5 s")
+    return max(bottom or [1])
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    tl = report["timeline_5s"]
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    xs = [5 * i for i in range(len(tl["ok"]))]
-    bottom = [0] * len(xs)
-    for status, color in (("ok", "tab:green"), ("cancelled", "tab:gray"), ("failed", "tab:red"),
-                          ("hung", "black")):
-        ax.bar(xs, tl[status], width=4.5, bottom=bottom, color=color, label=status, align="edge")
-        bottom = [b + v for b, v in zip(bottom, tl[status])]
+    top = outcome_bars(ax, report["timeline_5s"])
     for r in report["recoveries"]:
         ax.axvline(r["at_s"], color="tab:purple", ls="--")
-        ax.text(r["at_s"], max(bottom or [1]), f" kill {r['model']}", color="tab:purple", fontsize=7, va="top")
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("requests ended per 5 s")
+        ax.text(r["at_s"], top, f" kill {r['model']}", color="tab:purple", fontsize=7, va="top")
     ax.legend(fontsize=7, ncol=4)
     ax.set_title("soak: how requests end while faults are injected and stubs killed", fontsize=9)
     save_figure(fig, path, report)
