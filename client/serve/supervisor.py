@@ -146,7 +146,8 @@ class Supervisor:
     # a restart happens on this object's own thread only (see _run)
     _reloading: dict = field(default_factory=dict, init=False)    # model -> its reload thread
     _generation: int = field(default=0, init=False)               # restarts so far
-    _restart_wanted: tuple | None = field(default=None, init=False)   # (rec, error) of a failed reload
+    _restart_wanted: tuple | None = field(default=None, init=False)   # (rec, error, covered) of a failed reload
+    _again: dict = field(default_factory=dict, init=False)        # model -> deaths during its reload
     _failed: str = field(default="", init=False)
     _paused: bool = field(default=False, init=False)   # draining: models go on purpose
     _holding: bool = field(default=False, init=False)  # not ready: an operator unloaded a model
@@ -214,16 +215,16 @@ class Supervisor:
         with self._lock:
             wanted, self._restart_wanted = self._restart_wanted, None
         if wanted is not None:   # a reload failed: a restart brings the model back
-            rec, error = wanted
+            rec, error, covered = wanted
             log.error("reloading %r failed (%s); restarting tritonserver", rec.model, error)
             what, t0 = f"model {rec.model!r} (stub pid {rec.pid})", time.monotonic()
             with self._lock:
                 rec.action = RESTART
             try:
                 self._restart()
-                self._recovered(rec, [], [], what, t0)
+                self._recovered(rec, [], covered, what, t0)
             except ServerError as exc:
-                self._give_up(rec, [], what, exc)
+                self._give_up(rec, covered, what, exc)
             finally:
                 self._rescan()
                 with self._lock:
@@ -345,29 +346,39 @@ class Supervisor:
                 self._recovering = False
 
     def _start_reload(self, rec: Recovery, stubs: list[Stub], also: list[Recovery], what: str, t0: float) -> None:
-        """Reload ``rec.model`` in a thread of its own (one per model: a second death
-        while it reloads is covered by that reload)."""
+        """Reload ``rec.model`` in a thread of its own (one per model: a death while it
+        reloads makes that thread reload once more before it ends)."""
         with self._lock:
             running = self._reloading.get(rec.model)
             if running is not None and running.is_alive():
-                for r in (rec, *also):
-                    r.ok, r.seconds = True, 0.0
+                self._again.setdefault(rec.model, []).append((rec, stubs, also))
                 return
             generation = self._generation
 
         def reload() -> None:
             try:
                 self._reload(rec.model)
+                while True:   # deaths while it reloaded: the instance it loaded may be the dead one
+                    with self._lock:
+                        more = self._again.pop(rec.model, [])
+                        if not more:   # done: a later death starts a reload of its own
+                            self._reloading.pop(rec.model, None)
+                            break
+                    self._reload(rec.model)
+                    for r, s, a in more:
+                        self._recovered(r, s, a, what, t0)
                 self._recovered(rec, stubs, also, what, t0)
             except ServerError as exc:
+                with self._lock:   # the deaths it had still to cover share its outcome
+                    covered = [*also, *(r for r2, _, a in self._again.pop(rec.model, []) for r in (r2, *a))]
                 if self._generation != generation:    # a restart meanwhile brought it back
-                    self._recovered(rec, stubs, also, what, t0)
+                    self._recovered(rec, stubs, covered, what, t0)
                 elif self._stop.is_set():
-                    self._give_up(rec, also, what, exc)
+                    self._give_up(rec, covered, what, exc)
                 else:
                     with self._lock:   # still recovering until the loop has restarted the server
                         rec.error, self._recovering = str(exc), True
-                        self._restart_wanted = (rec, exc)
+                        self._restart_wanted = (rec, exc, covered)
             finally:
                 with self._lock:
                     self._reloading.pop(rec.model, None)
