@@ -217,18 +217,9 @@ class Supervisor:
         if wanted is not None:   # a reload failed: a restart brings the model back
             rec, error, covered = wanted
             log.error("reloading %r failed (%s); restarting tritonserver", rec.model, error)
-            what, t0 = f"model {rec.model!r} (stub pid {rec.pid})", time.monotonic()
             with self._lock:
                 rec.action = RESTART
-            try:
-                self._restart()
-                self._recovered(rec, [], covered, what, t0)
-            except ServerError as exc:
-                self._give_up(rec, covered, what, exc)
-            finally:
-                self._rescan()
-                with self._lock:
-                    self._recovering = False
+            self._restart_for(rec, [], covered, f"model {rec.model!r} (stub pid {rec.pid})", time.monotonic())
             return
         if proc.poll() is not None:
             self._recover(Recovery("", proc.pid, f"tritonserver exited with code {proc.returncode}",
@@ -330,12 +321,26 @@ class Supervisor:
         log.warning("%s %s; %s", what, rec.cause,
                     "reloading the model" if rec.action == RELOAD else "restarting tritonserver")
         t0 = time.monotonic()
-        try:
-            if len(recent) > self.max_recoveries:
-                raise ServerError(f"{len(recent)} deaths within {self.window_s:.0f} s: a crash loop")
-            if rec.action == RELOAD:
+        if len(recent) > self.max_recoveries:
+            self._give_up(rec, also, what, ServerError(f"{len(recent)} deaths within {self.window_s:.0f} s: "
+                                                       "a crash loop"))
+            self._rescan()
+            with self._lock:
+                self._recovering = False
+        elif rec.action == RELOAD:
+            try:
                 self._start_reload(rec, stubs, also, what, t0)
-                return
+            finally:
+                self._rescan()
+                with self._lock:
+                    self._recovering = False
+        else:
+            self._restart_for(rec, stubs, also, what, t0)
+
+    def _restart_for(self, rec: Recovery, stubs: list[Stub], also: list[Recovery], what: str, t0: float) -> None:
+        """Restart tritonserver to recover from ``rec`` (and ``also``); on this object's
+        own thread only (see _run)."""
+        try:
             self._restart()
             self._recovered(rec, stubs, also, what, t0)
         except ServerError as exc:
