@@ -426,8 +426,8 @@ def _print(report: dict) -> None:
     for line in report["faults_not_run"]:
         print(f"  NOT RUN {line}")
     for d in report["differences"][:10]:
-        print(f"  DIFFERS request {d['request']} ({d['kind']}, chat {d['chat']}, cached {d['cached_pages']}, "
-              f"faults {d['faults_around']}): {d['got']!r} != {d['want']!r}")
+        print(f"  DIFFERS request {d['request']} ({d['kind']}, chat {d['chat']}, "
+              f"cached tokens {d['cached_tokens']}, faults {d['faults_around']}): {d['got']!r} != {d['want']!r}")
     for msg, n in list(s["errors"].items())[:8]:
         print(f"  {n:>5}  {msg}")
     print("goals: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["goals"].items()))

@@ -193,7 +193,7 @@ class Difference:
     request: int
     kind: str
     chat: int | None
-    cached_pages: int | None
+    cached_tokens: int | None
     got: str
     want: str
     faults_around: list[str] = field(default_factory=list)
@@ -209,7 +209,7 @@ def differences(plan: list[ChaosRequest], outcomes: list[Outcome], reference: di
     >>> outs = [Outcome(0, "greedy", "ok", 10, 11, text="x"), Outcome(1, "greedy", "ok", 30, 31, text="y")]
     >>> ref = {plan[0].key(): "x", plan[1].key(): "z"}
     >>> d = differences(plan, outs, ref, [FaultRecord("kill:decode", 28, 35)], {1: 2}, start=0)
-    >>> [(x.request, x.got, x.want, x.cached_pages, x.faults_around) for x in d]
+    >>> [(x.request, x.got, x.want, x.cached_tokens, x.faults_around) for x in d]
     [(1, 'y', 'z', 2, ['kill:decode'])]
     """
     out = []
