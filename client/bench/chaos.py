@@ -299,7 +299,8 @@ def _chaos(args: argparse.Namespace, server, plan: list[ChaosRequest], flood: li
             and time.monotonic() < settle:
         time.sleep(0.5)
     return {"outcomes": outcomes, "faults": faults, "start": start, "elapsed_s": elapsed,
-            "pages_before": pages_before, "pages_after": pages_after, "cache": cache_counters(server.metrics_url, COUNTERS),
+            "pages_before": pages_before, "pages_after": pages_after,
+            "cache": cache_counters(server.metrics_url, COUNTERS),
             "shm_leaked": sorted(set(server.owned_segments()) - shm_before - _live_segments(server)),
             "fds_before": fds_before, "fds_after": fds_after, "crashes": server.crashes(),
             "not_run": not_run, "drains": drains}
@@ -333,7 +334,8 @@ def _watch_unload(server, model: str, version: int, drains: list[dict], timeout_
         except Exception:   # the server restarts
             unloading = True
         if not unloading:
-            drains.append({"model": model, "version": version - 1, "unloaded_after_s": round(time.monotonic() - began, 1)})
+            seconds = round(time.monotonic() - began, 1)
+            drains.append({"model": model, "version": version - 1, "unloaded_after_s": seconds})
             return
         time.sleep(0.5)
     drains.append({"model": model, "version": version - 1, "unloaded_after_s": None})
@@ -414,7 +416,7 @@ def _print(report: dict) -> None:
           f"{report['prefix_cache']['transfers_recomputed']:.0f}")
     print(f"failed without a clear reason: {s['failed_unclear']}; leaked pages {report['leaked_pages'] or 0}, "
           f"shm {report['shm_leaked'] or 0}, tritonserver fds {report['fds_before']} -> {report['fds_after']} "
-          f"(gained: {'not compared: tritonserver was restarted' if report['fds_gained'] is None else report['fds_gained'] or 'none'})")
+          f"(gained: {_gained_text(report['fds_gained'])})")
     print(f"{'fault':<28}{'at s':>8}{'right again s':>15}")
     for f in report["faults"]:
         again = "-" if f["ended_s"] is None else f"{f['ended_s'] - f['began_s']:.2f}"
@@ -431,6 +433,10 @@ def _print(report: dict) -> None:
     for msg, n in list(s["errors"].items())[:8]:
         print(f"  {n:>5}  {msg}")
     print("goals: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["goals"].items()))
+
+
+def _gained_text(gained: list[str] | None) -> str:
+    return "not compared: tritonserver was restarted" if gained is None else str(gained or "none")
 
 
 def _plot(report: dict, path: Path) -> None:

@@ -199,8 +199,10 @@ class CompletionRequest(_Request):
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts: text, or token ids (a list of ints, or a list of such lists).
 
-        >>> CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts(), CompletionRequest(model="m", prompt=[5]).prompts()
-        ([[1, 2], [3]], [[5]])
+        >>> CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts()
+        [[1, 2], [3]]
+        >>> CompletionRequest(model="m", prompt=[5]).prompts()
+        [[5]]
         """
         p = self.prompt
         if isinstance(p, str):
