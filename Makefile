@@ -26,15 +26,24 @@ SERVE_ARGS ?= --model smollm2-135m-instruct --spec auto
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve $(SERVE_ARGS) $(ARGS)
 
+# AIPerf (NVIDIA's load generator for OpenAI APIs) in a venv of its own: its pandas,
+# pyarrow and transformers stay out of .venv; tests/e2e/test_aiperf.py runs it unchanged
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+$(AIPERF_STAMP): Makefile
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q 'aiperf==0.13.*'
+	@touch $(AIPERF_STAMP)
+
 # the image test builds and runs containers (minutes): its own target, its own CI step
 IMAGES_TEST := tests/e2e/test_images.py
-test: $(STAMP)
+test: $(STAMP) $(AIPERF_STAMP)
 	$(PY) -m pytest -q tests --ignore=$(IMAGES_TEST)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) $(AIPERF_STAMP)
 	$(PY) -m pytest -q tests/e2e --ignore=$(IMAGES_TEST)
 
 test-images: $(STAMP)
