@@ -85,7 +85,6 @@ class PageAudit:
         self._rng = random.Random(seed)
         self.checked_pages = 0     # pages whose checksum was recomputed on a hit, since start
         self.mismatches = 0        # ... and found changed since publication
-        self.declined_hits = 0     # hits computed afresh instead (the recompute audit)
         self.compared_pages = 0    # recomputed pages compared with the cached page of their key
         self.disagreements = 0     # ... that held other KV (the cached page is dropped)
 
@@ -111,10 +110,7 @@ class PageAudit:
 
     def decline(self) -> bool:
         """Whether this hit is declined and computed afresh (the recompute audit's share)."""
-        if self._draw(self.recompute_rate):
-            self.declined_hits += 1
-            return True
-        return False
+        return self._draw(self.recompute_rate)
 
     def _draw(self, rate: float) -> bool:
         return rate > 0 and (rate >= 1.0 or self._rng.random() < rate)
