@@ -17,6 +17,9 @@ counts.
 Rules of the ``conditional`` policy, in order:
 
 1. ``no_prefill`` — a one-token prompt has nothing to prefill (local, every policy);
+   ``prompt_logprobs`` — a request for its prompt's log-probabilities needs the logits
+   at every prompt position, which only the engine that samples computes (local, every
+   policy; the prefill side never samples);
 2. ``short_prompt`` — a prompt of at most ``local_prompt_tokens`` is prefilled where
    it decodes (one mixed step costs the running streams less than the transfer and the
    two extra hops cost this request) — unless the decode engine's own prefill backlog,
@@ -137,11 +140,18 @@ class RoutingPolicy:
 
 
 def choose_path(prompt_len: int, prefill: PrefillLoad, decode: DecodeLoad,
-                policy: RoutingPolicy, cached_tokens: int = 0) -> Route:
+                policy: RoutingPolicy, cached_tokens: int = 0, prompt_logits: bool = False) -> Route:
     """Where a prompt of ``prompt_len`` tokens, the first ``cached_tokens`` of them in
-    decode's prefix cache, is prefilled (see the module docstring)."""
+    decode's prefix cache, is prefilled (see the module docstring); ``prompt_logits``:
+    the request asked for its prompt's log-probabilities.
+
+    >>> choose_path(1500, PrefillLoad(), DecodeLoad(), RoutingPolicy(), prompt_logits=True)
+    Route(path='local', reason='prompt_logprobs')
+    """
     if prompt_len <= 1:
         return Route(LOCAL, "no_prefill")
+    if prompt_logits:
+        return Route(LOCAL, "prompt_logprobs")
     if policy.mode != CONDITIONAL:
         return Route(policy.mode, "policy")
     prompt_len -= cached_tokens     # what a prefill would compute

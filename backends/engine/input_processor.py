@@ -10,6 +10,7 @@ from typing import Container
 from .config import EngineConfig
 from .guided import GuideCompiler, GuideState
 from .logits_processors import LogitsControls, bad_words_token_ids
+from .logprobs import PromptLogprobs
 from .params import SamplingParams
 from .request_limits import check_context, check_pool_fit
 from .sequence import Sequence
@@ -67,7 +68,10 @@ class InputProcessor:
                                         self._guide(params, stop_ids))
         return Sequence(request_id=rid, prompt_ids=ids, params=params, stop_ids=stop_ids,
                         controls=controls,
-                        logprobs=[] if params.logprobs else None)
+                        logprobs=[] if params.logprobs else None,
+                        top_logprobs=[] if params.top_logprobs else None,
+                        prompt_logprobs=None if params.prompt_logprobs is None
+                        else PromptLogprobs(ids, params.prompt_logprobs))
 
     def _guide(self, params: SamplingParams, stop_ids: frozenset[int]) -> GuideState | None:
         """The request's grammar matcher (its guide compiled, or from the cache); raises

@@ -6,6 +6,7 @@ from typing import Iterator, Sequence as Seq
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
+from .logprobs import PromptLogprobs, TopLogprobs
 from .outputs import RequestOutput
 from .params import SamplingParams
 
@@ -18,6 +19,8 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[float] | None = None       # with SamplingParams.logprobs: one per token
     cumulative_logprob: float | None = None
+    top_logprobs: list[TopLogprobs] | None = None       # with SamplingParams.top_logprobs
+    prompt_logprobs: PromptLogprobs | None = None       # with SamplingParams.prompt_logprobs
 
 
 class LLM:
@@ -64,7 +67,9 @@ class LLM:
         return [CompletionOutput(s.prompt_ids, list(s.output_ids), "".join(texts[s.request_id]),
                                  reasons[s.request_id],
                                  None if s.logprobs is None else list(s.logprobs),
-                                 None if s.logprobs is None else s.cumulative_logprob)
+                                 None if s.logprobs is None else s.cumulative_logprob,
+                                 None if s.top_logprobs is None else list(s.top_logprobs),
+                                 s.prompt_logprobs)
                 for s in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None

@@ -202,6 +202,23 @@ class LLMEngine:
             self.spec.step_ended(len(plan.seqs), self.has_unfinished())
         return outputs
 
+    PROMPT_LOGITS_ROWS = 256   # prompt positions per lm_head call: [rows, vocab] fp32 at a time
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor,
+                                ends: list[int]) -> None:
+        """For requests asking for prompt log-probabilities, the logits at the prompt
+        positions this step computed (before the first commit: a failure retries cleanly;
+        a recomputed chunk records nothing twice)."""
+        for s, end in zip(scheduled, ends):
+            lp = s.seq.prompt_logprobs
+            wanted = lp.wants(s.start, s.end) if lp is not None else None
+            if wanted is None:
+                continue
+            row = end - (s.end - s.start) + wanted[0]
+            for at in range(row, row + wanted[1], self.PROMPT_LOGITS_ROWS):
+                lp.add_chunk(self.target.logits(hidden[at:min(at + self.PROMPT_LOGITS_ROWS,
+                                                               row + wanted[1])]))
+
     def _step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         # everything that may raise runs before the first commit (isolate retries it)
         spec_plan = self.spec.choose(scheduled) if self.spec is not None else None
@@ -215,6 +232,7 @@ class LLMEngine:
         try:
             hidden = self.target.forward(batch)
             ends = list(itertools.accumulate(batch.qo_lens))
+            self._record_prompt_logprobs(scheduled, hidden, ends)
             logits = self.target.logits(hidden[[ends[i] - 1 for i, s in enumerate(scheduled) if s.samples]])
             dead = self.controls.apply(logits, sampling, masks=masks)
         finally:

@@ -12,7 +12,8 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .isolation import describe
 from .request_perf import RequestPerf
-from .sampler import token_logprobs
+from .logprobs import Logprobs, PromptLogprobs, TopLogprobs, ranked
+from .sampler import sampling_logprobs
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ class RequestOutput:
     # distribution it was sampled from), and the sum over all output tokens so far
     new_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float | None = None
+    # with SamplingParams.top_logprobs: the alternatives at each new token's position
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: on the request's first output only
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
     perf: RequestPerf | None = None  # what return_perf_metrics reports, so far
 
@@ -58,7 +63,7 @@ class OutputProcessor:
         self.detoks[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, seq.params.stop, seq.params.min_tokens)
 
-    def commit(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None = None,
+    def commit(self, seq: Sequence, tokens: list[int], logprobs: Logprobs | None = None,
                draft_computed: int | None = None) -> RequestOutput:
         """Append a sequence's new tokens; if that raises, the sequence alone fails."""
         try:
@@ -90,12 +95,16 @@ class OutputProcessor:
         text = detok.take(final=True) if error is None else ""
         return self._output(seq, list(new_ids), text, reason, error)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None,
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: Logprobs | None,
                 draft_computed: int | None) -> RequestOutput:
         """Append new tokens, stopping exactly at the first stop condition."""
         detok = self.detoks[seq.request_id]
         for n, token in enumerate(tokens, 1):
-            seq.append_token(token, None if logprobs is None else logprobs[n - 1])
+            if logprobs is None:
+                seq.append_token(token)
+            else:
+                seq.append_token(token, logprobs.chosen[n - 1],
+                                 None if logprobs.top is None else logprobs.top[n - 1])
             detok.add(token)
             if token in seq.stop_ids or detok.stopped or (
                     seq.controls is not None and seq.controls.guide is not None
@@ -113,21 +122,31 @@ class OutputProcessor:
         if seq.logprobs is not None:
             out.new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):]
             out.cumulative_logprob = seq.cumulative_logprob
+        if seq.top_logprobs is not None:
+            out.new_top_logprobs = seq.top_logprobs[len(seq.top_logprobs) - len(new_ids):]
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent \
+                and (seq.prompt_logprobs.complete or reason is not None):
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out
 
 
 def sequence_logprobs(logits: torch.Tensor, tokens: list[list[int]],
-                      seqs: list[Sequence]) -> list[list[float] | None]:
+                      seqs: list[Sequence]) -> list[Logprobs | None]:
     """Per request asking for them, the log-probabilities of its new tokens at positions
-    0.. of its processed logits ([B, V] or [B, n, V]); None for the others."""
-    out: list[list[float] | None] = [None] * len(seqs)
+    0.. of its processed logits ([B, V] or [B, n, V]), with the alternatives it asked
+    for; None for the others."""
+    out: list[Logprobs | None] = [None] * len(seqs)
     rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
     if not rows:
         return out
     logits = logits if logits.dim() == 3 else logits[:, None]
-    flat = token_logprobs(torch.cat([logits[i, :len(tokens[i])] for i in rows]),
-                          [t for i in rows for t in tokens[i]],
-                          [seqs[i].params for i in rows for _ in tokens[i]])
+    logprobs = sampling_logprobs(torch.cat([logits[i, :len(tokens[i])] for i in rows]),
+                                 [seqs[i].params for i in rows for _ in tokens[i]])
+    flat = ranked(logprobs, [t for i in rows for t in tokens[i]],
+                  max(seqs[i].params.top_logprobs for i in rows))
     for i in rows:
-        out[i], flat = flat[:len(tokens[i])], flat[len(tokens[i]):]
+        n, k = len(tokens[i]), seqs[i].params.top_logprobs
+        mine, flat = flat[:n], flat[n:]
+        out[i] = Logprobs(mine.chosen, None if not k else [
+            TopLogprobs(t.token_ids[:k], t.logprobs[:k]) for t in mine.top])
     return out

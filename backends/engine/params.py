@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # below this temperature sampling is greedy (as vLLM's _SAMPLING_EPS): dividing logits by
 # a subnormal temperature overflows to inf and the distribution to NaN
 SAMPLING_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20   # alternatives per position: OpenAI's limit (and vLLM's default)
 
 # TensorRT-LLM's guided_decoding_guide_type values; "json" (any JSON value) needs no guide
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
@@ -75,7 +76,10 @@ class SamplingParams:
 
     ``logprobs`` returns each generated token's log-probability under the distribution
     it was sampled from, after all of that (greedy: the log-softmax of the processed
-    logits, i.e. at temperature 1).
+    logits, i.e. at temperature 1), and ``top_logprobs`` (0..20) that many most likely
+    tokens at each position under the same distribution. ``prompt_logprobs`` (None, or
+    0..20 alternatives) returns the prompt's tokens' log-probabilities under the raw
+    model (logprobs.py); the prompt is then computed, not taken from the prefix cache.
 
     >>> SamplingParams(max_tokens=32, temperature=0.0).validate()
     >>> SamplingParams(presence_penalty=2.5).validate()
@@ -98,6 +102,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     guided_decoding: GuidedDecoding | None = None
     # not a sampling setting: prompts share cached KV only under the same salt (vLLM's
     # cache_salt), so tenants cannot probe each other's prompts through timing
@@ -152,6 +158,14 @@ class SamplingParams:
                 "number")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", self.logprobs, "true or false")
+        count = lambda x: isinstance(x, int) and not isinstance(x, bool) \
+            and 0 <= x <= MAX_TOP_LOGPROBS
+        if not count(self.top_logprobs) or (self.top_logprobs and not self.logprobs):
+            bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}], "
+                "above 0 only with logprobs")
+        if self.prompt_logprobs is not None and not count(self.prompt_logprobs):
+            bad("prompt_logprobs", self.prompt_logprobs, f"None or an integer in "
+                f"[0, {MAX_TOP_LOGPROBS}]")
         if self.guided_decoding is not None:
             if not isinstance(self.guided_decoding, GuidedDecoding):
                 bad("guided_decoding", self.guided_decoding, "a GuidedDecoding or None")

@@ -190,8 +190,9 @@ class PrefixCaching:
 
     def match(self, seq: Sequence) -> int | None:
         """Give a fresh ``seq`` the cached pages of its longest cached prefix; returns
-        the tokens it need not compute (None: not fresh, its KV is there already)."""
-        if seq.pages or seq.num_computed:
+        the tokens it need not compute (None: not fresh, its KV is there already, or it
+        asked for its prompt's log-probabilities, which only computing the prompt gives)."""
+        if seq.pages or seq.num_computed or seq.prompt_logprobs is not None:
             return None
         pages = self.take(self._keys(seq, (seq.num_tokens - 1) // self.page_size))
         if pages:

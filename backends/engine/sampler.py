@@ -74,25 +74,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int],
-                   params: list[SamplingParams]) -> list[float]:
-    """The log-probability of ``tokens[i]`` under the distribution row ``i`` samples
-    from: the log-softmax of the logits after temperature, top-k and top-p, or for a
-    greedy request of the logits themselves (temperature 1, as vLLM reports for
-    temperature 0). ``logits`` [N, V] are the processed logits (controls applied).
+def sampling_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] log-probabilities of the distribution row ``i`` samples from: the
+    log-softmax of the logits after temperature, top-k and top-p, or for a greedy request
+    of the logits themselves (temperature 1, as vLLM reports for temperature 0).
+    ``logits`` [N, V] are the processed logits (controls applied).
 
-    >>> token_logprobs(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1],
-    ...                [SamplingParams(temperature=0)])
-    [-1.3862943649291992]
+    >>> lp = sampling_logprobs(torch.log(torch.tensor([[0.5, 0.25, 0.25]])),
+    ...                        [SamplingParams(temperature=0)])
+    >>> round(float(lp[0, 1]), 4)
+    -1.3863
     """
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         logits = logits.clone()
         logits[rows] = filtered_logits(logits[rows], *_per_row([params[i] for i in rows], 1,
                                                                logits))
-    picked = logits.log_softmax(-1).gather(
-        -1, torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None])
-    return picked[:, 0].tolist()
+    return logits.float().log_softmax(-1)
 
 
 def check_distributions(probs: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .logits_processors import LogitsControls
+from .logprobs import PromptLogprobs, TopLogprobs
 from .params import SamplingParams
 from .request_perf import RequestPerf
 
@@ -44,6 +45,9 @@ class Sequence:
     controls: LogitsControls | None = None   # None: no control changes its logits
     logprobs: list[float] | None = None      # one per output token, with params.logprobs
     cumulative_logprob: float = 0.0
+    top_logprobs: list[TopLogprobs] | None = None   # one per output token, with params.top_logprobs
+    prompt_logprobs: PromptLogprobs | None = None   # with params.prompt_logprobs
+    prompt_logprobs_sent: bool = False
     # prefix caching (prefix_caching.py): keys of its full pages so far; of its pages,
     # the first num_matched_pages came from the cache and the first num_published are in it
     page_keys: list[bytes] = field(default_factory=list)
@@ -60,7 +64,8 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
 
-    def append_token(self, token: int, logprob: float | None = None) -> None:
+    def append_token(self, token: int, logprob: float | None = None,
+                     top: TopLogprobs | None = None) -> None:
         self.last_token_ns = time.time_ns()
         if not self.output_ids:
             self.first_token_ns = self.last_token_ns
@@ -70,6 +75,8 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top)
 
     @property
     def num_tokens(self) -> int:

@@ -52,8 +52,21 @@ embedding_bias_words        STRING  none         up to 64 words of up to 256 cha
 embedding_bias_weights      FP32    none         with one finite weight each: every token
                                                  of a word gets its weight added to its
                                                  logit; "" ignored
+logit_bias_token_ids        INT32   none         up to 1024 token ids in the vocabulary,
+logit_bias_values           FP32    none         with one finite value each, added to
+                                                 the token's logit (OpenAI's and vLLM's
+                                                 ``logit_bias``); added to the words'
 return_log_probs            BOOL    false        true: ``cum_log_probs`` and
                                                  ``output_log_probs`` carry them
+num_top_log_probs           INT32   0            0..20, with ``return_log_probs``: the
+                                                 most likely tokens at each position
+                                                 (``output_top_token_ids``/``_log_probs``)
+num_prompt_log_probs        INT32   -1 (off)     0..20: the prompt's tokens' log
+                                                 probabilities (raw model), with that
+                                                 many alternatives each, on the first
+                                                 response (``prompt_*`` outputs); such a
+                                                 prompt is computed by decode, never
+                                                 from the prefix cache
 return_context_logits       BOOL    false        false (no logits are returned)
 return_generation_logits    BOOL    false        false (no logits are returned)
 return_num_input_tokens     BOOL    false        any; the outputs are on every response
@@ -99,7 +112,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine import request_limits
-from ..engine.params import GUIDE_NOUNS, GUIDE_TYPES, MAX_GUIDE_CHARS, GuidedDecoding
+from ..engine.params import GUIDE_NOUNS, GUIDE_TYPES, MAX_GUIDE_CHARS, MAX_TOP_LOGPROBS, GuidedDecoding
 
 # name -> (Triton type, dims without the batch dimension); all optional
 SAMPLING_INPUTS = {
@@ -124,7 +137,11 @@ SAMPLING_INPUTS = {
     "length_penalty": ("TYPE_FP32", [1]),
     "embedding_bias_words": ("TYPE_STRING", [-1]),
     "embedding_bias_weights": ("TYPE_FP32", [-1]),
+    "logit_bias_token_ids": ("TYPE_INT32", [-1]),
+    "logit_bias_values": ("TYPE_FP32", [-1]),
     "return_log_probs": ("TYPE_BOOL", [1]),
+    "num_top_log_probs": ("TYPE_INT32", [1]),
+    "num_prompt_log_probs": ("TYPE_INT32", [1]),
     "return_context_logits": ("TYPE_BOOL", [1]),
     "return_generation_logits": ("TYPE_BOOL", [1]),
     "return_num_input_tokens": ("TYPE_BOOL", [1]),
@@ -147,6 +164,7 @@ GetInput = Callable[[str], "np.ndarray | None"]
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256
 MAX_BIAS_WORDS = 64
+MAX_BIAS_TOKENS = 1024
 MAX_RETURN_SEQUENCES = 16
 UINT64 = 1 << 64
 
@@ -179,7 +197,10 @@ class GenerateRequest:
     min_tokens: int = 0
     length_penalty: float = 1.0                # accepted; ranks beams only, and there are none
     embedding_bias: list[tuple[str, float]] = field(default_factory=list)
+    token_bias: dict[int, float] = field(default_factory=dict)   # logit_bias_token_ids/_values
     return_log_probs: bool = False
+    num_top_log_probs: int = 0
+    num_prompt_log_probs: int | None = None
     return_perf_metrics: bool = False
     cache_salt: str | None = None
     guided_decoding: GuidedDecoding | None = None
@@ -210,17 +231,20 @@ class GenerateRequest:
             frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens,
             bad_words=list(self.bad_words),
-            logit_bias=logit_bias(self.embedding_bias, tokenizer),
+            logit_bias=logit_bias(self.embedding_bias, tokenizer, self.token_bias),
             logprobs=self.return_log_probs,
+            top_logprobs=self.num_top_log_probs,
+            prompt_logprobs=self.num_prompt_log_probs,
             cache_salt=self.cache_salt,
             guided_decoding=self.guided_decoding,
         )
 
 
-def logit_bias(words: list[tuple[str, float]], tokenizer) -> dict[int, float]:
+def logit_bias(words: list[tuple[str, float]], tokenizer,
+               token_bias: dict[int, float] | None = None) -> dict[int, float]:
     """TensorRT-LLM's embedding bias as the engine's ``logit_bias``: every token of each
     word (tokenized without special tokens) gets the word's weight added; a token in
-    several words gets the sum.
+    several words gets the sum; ``token_bias`` (token id -> value) adds to that.
 
     >>> class Tok:
     ...     def encode(self, text, add_special_tokens=True):
@@ -229,13 +253,15 @@ def logit_bias(words: list[tuple[str, float]], tokenizer) -> dict[int, float]:
     {97: 1.5, 98: 0.5}
     """
     if not words:
-        return {}
+        return dict(token_bias or {})
     if tokenizer is None:
         raise RequestError("embedding_bias_words", "this model has no tokenizer to turn words into tokens")
     bias: dict[int, float] = {}
     for word, weight in words:
         for token in tokenizer.encode(word, add_special_tokens=False).ids:
             bias[int(token)] = bias.get(int(token), 0.0) + weight
+    for token, value in (token_bias or {}).items():
+        bias[token] = bias.get(token, 0.0) + value
     return bias
 
 
@@ -319,6 +345,29 @@ def _embedding_bias(get: GetInput) -> list[tuple[str, float]]:
     return [(word, float(w)) for word, w in zip(words, weights) if word]
 
 
+def _token_bias(get: GetInput, vocab_size: int | None) -> dict[int, float]:
+    """``logit_bias_token_ids`` and ``logit_bias_values``: token id -> a value added to its
+    logit (a repeated id gets the sum, as in the words' bias)."""
+    ids, values = get("logit_bias_token_ids"), get("logit_bias_values")
+    ids = [] if ids is None else np.asarray(ids).reshape(-1).tolist()
+    values = [] if values is None else np.asarray(values, dtype=np.float64).reshape(-1).tolist()
+    if len(ids) != len(values):
+        raise RequestError("logit_bias_values", f"has {len(values)} values for {len(ids)} "
+                                                "logit_bias_token_ids; allowed: one value per id")
+    if len(ids) > MAX_BIAS_TOKENS:
+        raise RequestError("logit_bias_token_ids", f"has {len(ids)} ids; allowed: up to {MAX_BIAS_TOKENS}")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        top = "" if vocab_size is None else f" in [0, {vocab_size - 1}]"
+        raise RequestError("logit_bias_token_ids", f"got {bad[:8]}; allowed: token ids{top}")
+    bias: dict[int, float] = {}
+    for token, value in zip(ids, values):
+        if not math.isfinite(value):
+            raise RequestError("logit_bias_values", f"got {value}; allowed: finite numbers")
+        bias[int(token)] = bias.get(int(token), 0.0) + value
+    return bias
+
+
 def _cache_salt(get: GetInput) -> str | None:
     value = scalar(get, "cache_salt")
     if value is None:
@@ -365,6 +414,12 @@ def check_guide(req: GenerateRequest, compile_guide: Callable[[GuidedDecoding], 
                            str(e).removeprefix("guided_decoding_guide: ")) from None
 
 
+def _prompt_log_probs(get: GetInput) -> int | None:
+    value = _int(get, "num_prompt_log_probs", -1, -1,
+                 f"-1 (off) or an integer in [0, {MAX_TOP_LOGPROBS}]", MAX_TOP_LOGPROBS)
+    return None if value < 0 else value
+
+
 def _refused(get: GetInput, name: str, why: str) -> None:
     if flag(get, name, False):
         raise RequestError(name, f"not supported: {why}; allowed: false")
@@ -396,6 +451,12 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
     _refused(get, "return_generation_logits", "Tandem returns no generation logits")
 
     max_tokens = _int(get, "max_tokens", 16, 1, "an integer >= 1")
+    return_log_probs = flag(get, "return_log_probs", False)
+    num_top = _int(get, "num_top_log_probs", 0, 0, f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+                   MAX_TOP_LOGPROBS)
+    if num_top and not return_log_probs:
+        raise RequestError("num_top_log_probs", f"got {num_top} without return_log_probs; "
+                           "allowed: 0, or with return_log_probs true")
     return dict(
         max_tokens=max_tokens,
         stream=flag(get, "stream", False),
@@ -417,7 +478,10 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
         min_tokens=_int(get, min_name, 0, 0, f"an integer in [0, max_tokens={max_tokens}]", max_tokens),
         length_penalty=_float(get, "length_penalty", 1.0, lambda v: True, "a finite number"),
         embedding_bias=_embedding_bias(get),
-        return_log_probs=flag(get, "return_log_probs", False),
+        token_bias=_token_bias(get, vocab_size),
+        return_log_probs=return_log_probs,
+        num_top_log_probs=num_top,
+        num_prompt_log_probs=_prompt_log_probs(get),
         return_perf_metrics=flag(get, "return_perf_metrics", False),
         cache_salt=_cache_salt(get),
         guided_decoding=_guided_decoding(get),

@@ -104,8 +104,11 @@ class TritonPythonModel(PerRequestModel):
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         keys = self._cache_keys(parsed.prompt, parsed.cache_salt)
-        cached = self.pool.cache_lookup(keys) * self.page_size if keys else 0
-        route = self._route(n, parsed.num_return_sequences, cached)
+        # a request for its prompt's log-probabilities computes its whole prompt
+        cached = self.pool.cache_lookup(keys) * self.page_size \
+            if keys and parsed.num_prompt_log_probs is None else 0
+        route = self._route(n, parsed.num_return_sequences, cached,
+                            prompt_logits=parsed.num_prompt_log_probs is not None)
         desc = NO_TRANSFER
         if route.path != LOCAL:
             try:
@@ -175,7 +178,8 @@ class TritonPythonModel(PerRequestModel):
             return []
         return prompt_page_keys(prompt, self.page_size, root, cache_salt, self.key_lookahead)
 
-    def _route(self, prompt_len: int, num_sequences: int, cached_tokens: int = 0):
+    def _route(self, prompt_len: int, num_sequences: int, cached_tokens: int = 0,
+               prompt_logits: bool = False):
         """Where this prompt is prefilled: here in decode, or by the prefill side.
         Decode's backlog counts what it has taken in, plus what was routed to it and
         has not arrived yet; of the prompt, only what decode has not cached."""
@@ -191,7 +195,7 @@ class TritonPythonModel(PerRequestModel):
         if self.decode_board is not None:
             in_transit = self.in_transit.observe(*self.decode_board.taken_in(), now)
             decode = DecodeLoad(self.decode_board.read().prefill_tokens + in_transit)
-        route = choose_path(prompt_len, prefill, decode, self.policy, cached_tokens)
+        route = choose_path(prompt_len, prefill, decode, self.policy, cached_tokens, prompt_logits)
         # decode prefills every sample itself but the remote path's first one
         here = num_sequences - (route.path != LOCAL)
         if here:

@@ -39,7 +39,7 @@ from .metrics import EngineMetrics, Poller
 from .perf_outputs import PERF_OUTPUT_NAMES
 from .postprocess import PROMPT_ECHO
 from .reply_pump import ReplyPump
-from .response_arrays import ENGINE_OUTPUT_NAMES, string_array
+from .response_arrays import ENGINE_OUTPUT_NAMES, PROMPT_OUTPUT_NAMES, TOP_OUTPUT_NAMES, string_array
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
 
@@ -254,6 +254,10 @@ def reply_names(parsed, echo) -> tuple[str, ...]:
         skip.add(PROMPT_ECHO)
     if not parsed.return_log_probs:
         skip |= {"cum_log_probs", "output_log_probs"}
+    if not parsed.num_top_log_probs:
+        skip |= set(TOP_OUTPUT_NAMES)
+    if parsed.num_prompt_log_probs is None:
+        skip |= set(PROMPT_OUTPUT_NAMES)
     if parsed.num_return_sequences == 1:
         skip.add("sequence_index")
     if not parsed.return_perf_metrics:

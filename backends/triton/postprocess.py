@@ -29,7 +29,7 @@ import numpy as np
 
 from .generate_request import GenerateRequest, GetInput, RequestError, as_text, scalar
 from .perf_outputs import perf_from
-from .response_arrays import SequenceReply, ensemble_arrays
+from .response_arrays import SequenceReply, ensemble_arrays, logprobs_from
 
 PROMPT_ECHO = "prompt_echo"     # STRING [1, 1]: preprocess -> llm/decode (relayed) -> postprocess
 
@@ -54,6 +54,7 @@ def ensemble_outputs(get: GetInput) -> dict[str, np.ndarray]:
     cum = scalar(get, "cum_log_probs")
     index = scalar(get, "sequence_index")
     num_cached, perf = perf_from(get)
+    top_ids, top_log_probs, prompt = logprobs_from(get)
     reply = SequenceReply(
         token_ids=[] if ids is None else [int(t) for t in np.asarray(ids).reshape(-1)],
         text=text, finish_reason=as_text(_required(get, "finish_reason"), "finish_reason"),
@@ -61,7 +62,8 @@ def ensemble_outputs(get: GetInput) -> dict[str, np.ndarray]:
         num_output_tokens=int(_required(get, "num_output_tokens")),
         sequence_index=0 if index is None else int(index),
         log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
-        cum_log_prob=0.0 if cum is None else float(cum), num_cached_tokens=num_cached, perf=perf)
+        cum_log_prob=0.0 if cum is None else float(cum), top_ids=top_ids, top_log_probs=top_log_probs,
+        prompt=prompt, num_cached_tokens=num_cached, perf=perf)
     return ensemble_arrays(reply, with_ids=ids is not None)
 
 

@@ -54,7 +54,9 @@ def merge(first: Reply, then: Reply) -> Reply | None:
         return None
     # the later reply's counts, finish reason and every other field; the tokens of both
     return Reply(sequence=replace(t, token_ids=s.token_ids + t.token_ids, text=s.text + t.text,
-                                  log_probs=s.log_probs + t.log_probs),
+                                  log_probs=s.log_probs + t.log_probs, top_ids=s.top_ids + t.top_ids,
+                                  top_log_probs=s.top_log_probs + t.top_log_probs,
+                                  prompt=s.prompt or t.prompt),
                  relay=then.relay, final=then.final)
 
 

@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from .generate_request import GenerateRequest
-from .response_arrays import SequenceReply, engine_arrays
+from .response_arrays import PromptReply, SequenceReply, engine_arrays
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,13 +62,15 @@ class Reply:
 
 
 class _Sequence:
-    __slots__ = ("done", "ids", "text", "log_probs")
+    __slots__ = ("done", "ids", "text", "log_probs", "top", "prompt")
 
     def __init__(self):
         self.done = False
         self.ids: list[int] = []      # accumulated for stream=False
         self.text: list[str] = []
         self.log_probs: list[float] = []
+        self.top: list = []           # engine TopLogprobs, one per token
+        self.prompt = None            # engine PromptLogprobs
 
 
 class ResponseStream:
@@ -107,20 +109,26 @@ class ResponseStream:
                 self._end(Reply(error=f"{prefix}: {what}", code=code, final=True))
                 return
             log_probs = (getattr(out, "new_logprobs", None) or []) if self.request.return_log_probs else []
+            top = getattr(out, "new_top_logprobs", None) or []
+            prompt = getattr(out, "prompt_logprobs", None)
             if self.request.stream:
                 ids, text = out.new_token_ids, out.new_text
             else:
                 seq.ids.extend(out.new_token_ids)
                 seq.text.append(out.new_text)
                 seq.log_probs.extend(log_probs)
+                seq.top.extend(top)
+                seq.prompt = seq.prompt or prompt
                 if not out.finished:
                     return
-                ids, text, log_probs = seq.ids, "".join(seq.text), seq.log_probs
+                ids, text, log_probs, top, prompt = seq.ids, "".join(seq.text), seq.log_probs, seq.top, seq.prompt
             cum = float(getattr(out, "cumulative_logprob", None) or 0.0) if self.request.return_log_probs else 0.0
             reply = SequenceReply(
                 token_ids=list(ids), text=text, finish_reason=(out.finish_reason or "stop") if out.finished else None,
                 num_input_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                 sequence_index=index, log_probs=list(log_probs), cum_log_prob=cum,
+                top_ids=[t.token_ids for t in top], top_log_probs=[t.logprobs for t in top],
+                prompt=None if prompt is None else PromptReply.of(prompt),
                 num_cached_tokens=getattr(out, "num_cached_tokens", 0),
                 perf=getattr(out, "perf", None) if self.request.return_perf_metrics else None)
             final = not self.unfinished()

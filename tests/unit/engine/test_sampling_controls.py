@@ -397,7 +397,7 @@ def test_a_plain_batch_never_reaches_the_logits_processors(make_llm, monkeypatch
     def forbidden(*args, **kwargs):
         raise AssertionError("logits processing ran for plain requests")
     monkeypatch.setattr(step_controls, "apply_controls", forbidden)
-    monkeypatch.setattr(outputs, "token_logprobs", forbidden)
+    monkeypatch.setattr(outputs, "sampling_logprobs", forbidden)
     for spec in (None, "draft_target_self"):
         outs = make_llm(spec).generate(prompts(), [greedy(), SamplingParams(max_tokens=8, seed=1),
                                                    greedy(ignore_eos=True)])

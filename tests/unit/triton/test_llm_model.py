@@ -224,7 +224,7 @@ def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, ex
     """In a text ensemble (prompt_echo sent) a reply carries no empty echo, no log probs
     unless asked, no sequence index with one sample; postprocess answers the same."""
     from tandem.backends.triton.postprocess import ensemble_outputs
-    from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES
+    from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, PROMPT_OUTPUT_NAMES, TOP_OUTPUT_NAMES
 
     engine = FakeEngine.instances[-1]
     flags = {"stream": True, "prompt_echo": "", **extra}
@@ -237,6 +237,7 @@ def test_an_ensemble_steps_replies_leave_out_what_postprocess_defaults(model, ex
     left_out |= {"cum_log_probs", "output_log_probs"} if "return_log_probs" not in extra else set()
     left_out |= {"sequence_index"} if "num_return_sequences" not in extra else set()
     left_out |= set(PERF_OUTPUT_NAMES) - {"num_cached_tokens"} if "return_perf_metrics" not in extra else set()
+    left_out |= set(TOP_OUTPUT_NAMES) | set(PROMPT_OUTPUT_NAMES)    # no alternatives or prompt asked
     for (a, _), (b, _) in zip(outputs(lean.sender), outputs(full.sender), strict=True):
         assert set(a) == (set(ENGINE_OUTPUT_NAMES) | {"cancel_token", "prompt_echo"}) - left_out
         b = {**b, "prompt_echo": np.array([[flags["prompt_echo"].encode()]], dtype=object)}
