@@ -35,6 +35,8 @@ stop_words                  STRING  none         up to 16 strings of up to 256 c
 bad_words                   STRING  none         up to 16 non-blank strings of up to 256
                                                  characters, never generated; "" ignored
 end_id                      INT32   model's EOS  a token id; replaces the EOS token
+ignore_eos                  BOOL    false        true: the model's EOS does not end the
+                                                 text (vLLM's; for fixed output lengths)
 pad_id                      INT32   none         a token id; accepted, never used (no
                                                  response is padded)
 num_return_sequences        INT32   1            1..16 independent samples of the prompt
@@ -126,6 +128,7 @@ SAMPLING_INPUTS = {
     "stop_words": ("TYPE_STRING", [-1]),
     "bad_words": ("TYPE_STRING", [-1]),
     "end_id": ("TYPE_INT32", [1]),
+    "ignore_eos": ("TYPE_BOOL", [1]),
     "pad_id": ("TYPE_INT32", [1]),
     "num_return_sequences": ("TYPE_INT32", [1]),
     "beam_width": ("TYPE_INT32", [1]),
@@ -189,6 +192,7 @@ class GenerateRequest:
     stop_words: list[str] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
     end_id: int | None = None
+    ignore_eos: bool = False
     pad_id: int | None = None                  # accepted; nothing is padded
     num_return_sequences: int = 1
     repetition_penalty: float = 1.0
@@ -225,7 +229,7 @@ class GenerateRequest:
             stop=list(self.stop_words),
             stop_token_ids=[] if self.end_id is None else [self.end_id],
             # end_id replaces the model's EOS, as TensorRT-LLM's end_id does
-            ignore_eos=self.end_id is not None,
+            ignore_eos=self.ignore_eos or self.end_id is not None,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -467,6 +471,7 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
         stop_words=stop_words,
         bad_words=bad_words,
         end_id=end_id,
+        ignore_eos=flag(get, "ignore_eos", False),
         pad_id=pad_id,
         num_return_sequences=_int(get, "num_return_sequences", 1, 1,
                                   f"an integer in [1, {MAX_RETURN_SEQUENCES}]", MAX_RETURN_SEQUENCES),
