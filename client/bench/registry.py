@@ -32,6 +32,8 @@ BENCHMARKS = {
              "plain and speculative",
     "guided": "structured output: ITL and tok/s with a JSON-schema guide against without (plain and each "
               "speculation method), and the validity of 200 sampled outputs per guide type",
+    "tools": "tool calls through the OpenAI API (tool_choice required and named, temperature 1, streamed and "
+             "not), with and without speculation: how many parse and validate against their schemas",
     "fuzz": "random and adversarial requests to the OpenAI API, Triton's generate endpoints and gRPC streams: "
             "every answer a clean 4xx or a success, no process dies, nothing left held",
     "prefix": "prefix caching through the server: multi-turn chat and a shared system prompt, on against off "

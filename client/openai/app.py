@@ -40,6 +40,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, Mode
                        invalid, new_id, now)
 from .responses import (SSE_DONE, Choice, Event, chat_logprobs, completion_logprobs, error_event, first_events,
                         merged, sse)
+from .tool_parsers import tool_parser
+from .tools import guide_errors_on_tools, template_messages
 from .triton_backend import TritonBackend
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # OpenAI's; chat defaults to the rest of the context
@@ -86,6 +88,7 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.request_timeout_s = request_timeout_s
         self.backend: TritonBackend | None = None
+        self.tool_call_parser: str | None = None      # reads tool_choice "auto" answers
 
     def model(self, name: str) -> str:
         if name not in self.models:
@@ -95,11 +98,15 @@ class Frontend:
 
 
 def create_app(triton_url: str, models: list[str], model_dir: str | Path | None = None,
-               request_timeout_s: float = 600.0, api_key: str | None = None) -> FastAPI:
+               request_timeout_s: float = 600.0, api_key: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app serving ``models`` (text ensembles of the tritonserver at gRPC
     ``triton_url``); ``model_dir`` is the checkpoint (its chat template and tokenizer);
-    with ``api_key``, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (:mod:`.auth`)."""
+    with ``api_key``, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (:mod:`.auth`);
+    ``tool_call_parser`` reads ``tool_choice: "auto"`` answers (:mod:`.tool_parsers`)."""
     fe = Frontend(triton_url, models, model_dir, request_timeout_s)
+    tool_parser(tool_call_parser)      # an unknown name: ValueError before anything serves
+    fe.tool_call_parser = tool_call_parser
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -208,16 +215,18 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
     t0 = time.perf_counter()
     model = fe.model(body.model)
     body.unsupported()
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    tools = body.tool_plan()
+    tools.check_parser(fe.tool_call_parser)
     try:
-        prompt = fe.checkpoint.chat_template.render(messages)
+        prompt = fe.checkpoint.chat_template.render(template_messages(body.messages), tools=tools.template_tools)
     except ChatTemplateError as exc:
         raise invalid("messages", str(exc)) from None
     max_tokens = body.token_limit() or _rest_of_context(fe, prompt)
     arrays = await _inputs(fe, model, body, [(prompt, j) for j in range(body.n)], max_tokens, body.logprobs)
     rid, created = new_id("chatcmpl"), now()
     events = await _start(fe, model, arrays, rid)
+    if tools.guided:
+        events = guide_errors_on_tools(events)
     top = body.top_logprobs or 0
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> str:
@@ -229,6 +238,8 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
 
         async def stream() -> AsyncIterator[str]:
             choices = [Choice(i) for i in range(len(arrays))]
+            readers = [tools.stream(fe.tool_call_parser) for _ in choices]   # text -> content / tool_calls
+            logged = [0] * len(choices)          # tokens whose log probabilities went out
             for c in choices:   # the role comes first, as OpenAI sends it
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
@@ -237,16 +248,19 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
                     yield _stream_error(fe, "/v1/chat/completions", ev.error)
                     break
                 c = choices[ev.index]
-                n_tokens = len(c.tokens)
                 text = c.add(ev.response, fe.checkpoint.tokenizer)
                 reason = ev.response.finish_reason or None
                 if text:
                     _first_token(fe, "/v1/chat/completions", t0, choices)
-                    yield chunk([{"index": c.index, "delta": {"content": text},
-                                  "logprobs": chat_logprobs(c, n_tokens, top) if body.logprobs else None,
+                reader = readers[c.index]
+                for delta in (reader.feed(text) if text else []) + (reader.finish() if reason else []):
+                    yield chunk([{"index": c.index, "delta": delta,
+                                  "logprobs": chat_logprobs(c, logged[c.index], top) if body.logprobs else None,
                                   "finish_reason": None}])
+                    logged[c.index] = len(c.tokens)
                 if reason:
-                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": reader.finish_reason(reason)}])
             else:
                 _count_tokens(fe, "/v1/chat/completions", choices, body.n)
                 if body.include_usage():
@@ -256,10 +270,11 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
 
     choices = await _collect(fe, events, len(arrays), request)
     _count_tokens(fe, "/v1/chat/completions", choices, body.n)
+    answers = [tools.answer(c.text, c.finish_reason or "stop", fe.tool_call_parser) for c in choices]
     return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": message,
                          "logprobs": chat_logprobs(c, 0, top) if body.logprobs else None,
-                         "finish_reason": c.finish_reason or "stop"} for c in choices],
+                         "finish_reason": reason} for c, (message, reason) in zip(choices, answers)],
             "usage": _usage(choices, body.n).model_dump()}
 
 

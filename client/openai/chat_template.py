@@ -15,6 +15,19 @@ each message as ``<role>: <content>`` and a newline, then ``assistant:``:
 
 >>> PLAIN.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
 'system: Be brief.\\nuser: Hi\\nassistant:'
+
+With tools, the plain template writes them first as one short line of signatures (their
+names and parameters' names, not the schemas: a checkpoint without a template was not
+taught to read them, and a small one has little context), an assistant's tool calls after
+its content as Hermes' ``<tool_call>{...}</tool_call>`` (what the ``hermes`` parser reads),
+and a tool result as a ``tool: <content>`` line:
+
+>>> PLAIN.render([{"role": "assistant", "content": "", "tool_calls": [
+...     {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+...     {"role": "tool", "tool_call_id": "call_1", "content": "2"}],
+...     tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {}, "y": {}}}}},
+...            {"type": "function", "function": {"name": "now"}}])
+'tools: f(x, y), now()\\nassistant: <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\\ntool: 2\\nassistant:'
 >>> ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 ...              "{% if add_generation_prompt %}<assistant>{% endif %}").render([{"role": "user", "content": "Hi"}])
 '<user>Hi<assistant>'
@@ -65,10 +78,12 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt; ``tools`` (OpenAI's tool dicts) go to the template as transformers'
+        ``apply_chat_template(tools=...)`` passes them."""
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+                                         tools=tools or None, documents=None, **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
         bos = self.special_tokens.get("bos_token")
@@ -114,5 +129,11 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-PLAIN = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}", origin=PLAIN_SOURCE)
+PLAIN = ChatTemplate(
+    "{% if tools %}tools: {% for t in tools %}{{ t.function.name }}("
+    "{{ (t.function.parameters or {}).properties | default({}) | list | join(', ') }})"
+    "{% if not loop.last %}, {% endif %}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}", origin=PLAIN_SOURCE)

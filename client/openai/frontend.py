@@ -24,13 +24,15 @@ class OpenAIFrontend:
 
     def __init__(self, triton_url: str, models: list[str], model_dir: str | Path | None = None, *,
                  host: str = "127.0.0.1", port: int = DEFAULT_PORT, log_level: str = "warning",
-                 request_timeout_s: float = 600.0, api_key: str | None = None):
+                 request_timeout_s: float = 600.0, api_key: str | None = None,
+                 tool_call_parser: str | None = None):
         if not 0 < port < 65536:
             raise FrontendError(f"port {port}; allowed: 1..65535")
         self.triton_url, self.models, self.model_dir = triton_url, list(models), model_dir
         self.host, self.port, self.log_level = host, port, log_level
         self.request_timeout_s = request_timeout_s
         self._api_key = api_key
+        self.tool_call_parser = tool_call_parser
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -50,7 +52,7 @@ class OpenAIFrontend:
 
         from .app import create_app
         app = create_app(self.triton_url, self.models, self.model_dir, request_timeout_s=self.request_timeout_s,
-                         api_key=self._api_key)
+                         api_key=self._api_key, tool_call_parser=self.tool_call_parser)
         # asyncio's loop (grpc.aio is made for it), no access log, and open streams get
         # 3 s to end at stop before they are cancelled (which cancels their gRPC streams)
         config = uvicorn.Config(app, host=self.host, port=self.port, loop="asyncio", log_level=self.log_level,
@@ -101,12 +103,14 @@ def text_models(options) -> list[str]:
     return [m for m in options.ensembles if m not in TOKEN_ENSEMBLES and m not in DIRECT.values()]
 
 
-def start_for(server, port: int, log_level: str = "warning", api_key: str | None = None) -> OpenAIFrontend | None:
+def start_for(server, port: int, log_level: str = "warning", api_key: str | None = None,
+              tool_call_parser: str | None = None) -> OpenAIFrontend | None:
     """Start the frontend for a started :class:`~tandem.client.serve.triton_server.TritonServer`
     on its host (``tandem serve``); None when ``port`` is 0 or the server has no text
-    ensemble (``--mode prefill``). With ``api_key``, ``/v1/*`` requires it."""
+    ensemble (``--mode prefill``). With ``api_key``, ``/v1/*`` requires it;
+    ``tool_call_parser`` reads ``tool_choice: "auto"`` answers."""
     models = text_models(server.options)
     if port == 0 or not models:
         return None
     return OpenAIFrontend(server.grpc_url, models, server.options.engine.model_dir, host=server.host, port=port,
-                          log_level=log_level, api_key=api_key).start()
+                          log_level=log_level, api_key=api_key, tool_call_parser=tool_call_parser).start()

@@ -247,6 +247,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's (checked in tools.template_messages)
+    tool_call_id: str | None = None                     # a tool message's
 
     _content_is_text = field_validator("content", "name")(utf8_text)
 
@@ -269,14 +271,35 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None     # the deprecated forms of tools and tool_choice
+    function_call: Any = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def tool_plan(self):
+        """What the request asks of tools (:class:`~.tools.ToolPlan`); a 400 for a bad field."""
+        from .tools import plan_tools
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def guide(self) -> tuple[str, str, str] | None:
+        """The structured output asked for: ``tool_choice`` "required" or a named function
+        (their grammar, field ``tools``), or :meth:`_Request.guide`'s; not both."""
+        other = super().guide()
+        tools = self.tool_plan().guide()
+        if tools is None:
+            return other
+        if other is not None:
+            raise invalid(other[2], "tool_choice 'required' or a named function already constrains the output "
+                                    f"to tool calls; send {other[2]} or that tool_choice, not both")
+        return "json_schema", tools, "tools"
+
     def unsupported(self) -> None:
         self.common_unsupported()
-        if self.tools:
-            raise invalid("tools", "tool calls are not supported; send none")
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            raise invalid(name, "the deprecated form of tools; send tools and tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if (self.top_logprobs or 0) > MAX_LOGPROBS:

@@ -28,6 +28,7 @@ from tandem.client.paths import DEFAULT_PROPOSERS, DEMO_CHECKPOINTS, DEMO_MODEL
 from tandem.client.serve.options import ENSEMBLES, MODES, TEXT_ENSEMBLE, ServeOptions, ServerError
 from tandem.client.openai.frontend import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from tandem.client.openai.frontend import FrontendError, start_for
+from tandem.client.openai.tool_parsers import TOOL_PARSERS
 from tandem.client.serve.triton_server import TritonServer
 
 # below Kubernetes' default grace period (30 s) with room for the server's own stop
@@ -68,6 +69,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the OpenAI API's /v1/* answers only requests with 'Authorization: Bearer KEY' (401 "
                         "otherwise; /health and /metrics stay open). Prefer TANDEM_API_KEY: a command line is "
                         "visible to every user of the host (default: none, open)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="reads the model's tool calls for the OpenAI API's tool_choice 'auto' (vLLM's names; "
+                        "hermes: <tool_call>{...}</tool_call>, Qwen2.5/Hermes templates). Without it 'auto' is "
+                        "refused; 'required' and a named function need none (default: none)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM: not ready and no new requests at once, then at most this many seconds "
                         "for the streams in flight to finish before the server stops (default: %(default)s; "
@@ -193,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     api = None
     try:
         server.start()
-        api = start_for(server, args.openai_port, api_key=args.api_key)   # None when off or nothing to front
+        api = start_for(server, args.openai_port, api_key=args.api_key,    # None when off or nothing to front
+                        tool_call_parser=args.tool_call_parser)
         phase[0] = "serving"
         engine = options.engine
         print(f"tandem: serving {engine.model_dir} ({options.mode}), {engine.dtype} "
@@ -210,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  metrics  {server.metrics_url}")
         if api is not None:
             key = "; /v1/* requires the API key" if args.api_key else ""
+            key += f"; tool calls parsed as {args.tool_call_parser}" if args.tool_call_parser else ""
             print(f"  OpenAI   {api.base_url}   (/completions, /chat/completions, /models; its metrics: /metrics{key})")
         if server.supervise:
             print("  supervised: a dead model is reloaded, a dead server restarted")

@@ -63,7 +63,7 @@ def test_fields_tandem_cannot_honour_are_refused_not_ignored(fields, param):
     assert (e.value.status, e.value.param) == (400, param)
 
 
-@pytest.mark.parametrize("fields,param", [(dict(tools=[{"type": "function"}]), "tools"),
+@pytest.mark.parametrize("fields,param", [(dict(functions=[{"name": "f"}]), "functions"),
                                           (dict(response_format={"type": "yaml"}), "response_format"),
                                           (dict(top_logprobs=1), "top_logprobs"),
                                           (dict(logprobs=True, top_logprobs=5), "top_logprobs")])

@@ -16,7 +16,7 @@ from tandem.client.serve.env_defaults import env_var
 from tandem.client.serve.options import ServeOptions
 from tandem.client.serve.triton_server import TritonServer
 
-COMMAND_ONLY = {"--openai-port", "--drain-timeout", "--api-key"}   # the serve command's own, not a setting's
+COMMAND_ONLY = {"--openai-port", "--drain-timeout", "--api-key", "--tool-call-parser"}   # the serve command's own, not a setting's
 
 
 def serve_actions() -> dict[str, argparse.Action]:
