@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import ApiKeyMiddleware
 from .chat_template import ChatTemplate, ChatTemplateError
-from .ensemble_request import CACHED_OUTPUT, LOG_PROBS_OUTPUT, ensemble_inputs
+from .ensemble_request import CACHED_OUTPUT, LOG_PROBS_OUTPUT, PROMPT_INPUT, TOP_INPUT, ensemble_inputs
 from .metrics import FrontendMetrics, MetricsMiddleware
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, Usage,
                        invalid, new_id, now)
@@ -42,7 +42,7 @@ from .responses import (SSE_DONE, Choice, Event, chat_logprobs, completion_logpr
                         merged, sse)
 from .tool_parsers import tool_parser
 from .tools import guide_errors_on_tools, template_messages
-from .triton_backend import TritonBackend
+from .triton_backend import RANKED_OUTPUTS, TritonBackend
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # OpenAI's; chat defaults to the rest of the context
 MAX_CHOICES = 64                       # prompts x n in one completions request
@@ -160,13 +160,16 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
     if len(prompts) * body.n > MAX_CHOICES:
         raise invalid("n", f"{len(prompts)} prompts x n={body.n} choices; allowed: at most {MAX_CHOICES}")
     logprobs = body.logprobs is not None
+    if body.echo and logprobs and not isinstance(prompts[0], str) and fe.checkpoint.tokenizer is None:
+        raise invalid("echo", "echo of a token-id prompt needs the checkpoint's tokenizer, which this API "
+                              "was started without")
     target = model if isinstance(prompts[0], str) else await _tokens_route(fe, model)
     arrays = await _inputs(fe, target, body, [(p, j) for p in prompts for j in range(body.n)],
                            body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
     rid, created = new_id("cmpl"), now()
     events = await _start(fe, target, arrays, rid)
     echo = [_prompt_text(fe, prompts[i // body.n]) if body.echo else "" for i in range(len(arrays))]
-    top = bool(body.logprobs)
+    vllm_prompt = body.prompt_logprobs is not None
 
     def chunk(choices: list[dict], usage: Usage | None = None) -> str:
         return sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -177,6 +180,7 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
 
         async def stream() -> AsyncIterator[str]:
             choices = [Choice(i) for i in range(len(arrays))]
+            started = [False] * len(choices)
             async for ev in _replay(first, events):
                 if ev.error is not None:
                     yield _stream_error(fe, "/v1/completions", ev.error)
@@ -188,12 +192,15 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
                     continue
                 if text:
                     _first_token(fe, "/v1/completions", t0, choices)
+                opening, started[c.index] = not started[c.index], True
                 lp = None
                 if logprobs:
-                    lp = completion_logprobs(c, n_tokens, len(c.text) - len(text), top)
+                    lp = completion_logprobs(c, n_tokens, len(c.text) - len(text),
+                                             with_prompt=opening and body.echo)
                 prefix, echo[c.index] = echo[c.index], ""
                 yield chunk([{"index": c.index, "text": prefix + text, "logprobs": lp,
-                              "finish_reason": ev.response.finish_reason or None}])
+                              "finish_reason": ev.response.finish_reason or None,
+                              **_prompt_logprobs(c, vllm_prompt and opening)}])
             else:
                 _count_tokens(fe, "/v1/completions", choices, body.n)
                 if body.include_usage():
@@ -205,9 +212,16 @@ async def _completions(fe: Frontend, body: CompletionRequest, request: Request):
     _count_tokens(fe, "/v1/completions", choices, body.n)
     return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
             "choices": [{"index": c.index, "text": echo[c.index] + c.text,
-                         "logprobs": completion_logprobs(c, 0, len(echo[c.index]), top) if logprobs else None,
-                         "finish_reason": c.finish_reason or "stop"} for c in choices],
+                         "logprobs": completion_logprobs(c, 0, len(echo[c.index]), with_prompt=body.echo)
+                         if logprobs else None,
+                         "finish_reason": c.finish_reason or "stop", **_prompt_logprobs(c, vllm_prompt)}
+                        for c in choices],
             "usage": _usage(choices, body.n).model_dump()}
+
+
+def _prompt_logprobs(c: Choice, asked: bool) -> dict:
+    """vLLM's ``prompt_logprobs`` field of a choice, when asked for."""
+    return {"prompt_logprobs": c.prompt.vllm() if c.prompt is not None else None} if asked else {}
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -274,7 +288,8 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest, request: Request):
     return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
             "choices": [{"index": c.index, "message": message,
                          "logprobs": chat_logprobs(c, 0, top) if body.logprobs else None,
-                         "finish_reason": reason} for c, (message, reason) in zip(choices, answers)],
+                         "finish_reason": reason, **_prompt_logprobs(c, body.prompt_logprobs is not None)}
+                        for c, (message, reason) in zip(choices, answers)],
             "usage": _usage(choices, body.n).model_dump()}
 
 
@@ -297,11 +312,13 @@ async def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> Asyn
     """The choices' streams, merged: from the model's direct twin where the server has one
     (its replies straight from the engine model), from the full ensemble for log
     probabilities (which only it returns)."""
-    logprobs = "return_log_probs" in arrays[0]
+    logprobs = "return_log_probs" in arrays[0] or PROMPT_INPUT in arrays[0]
     target, cancel = (model, None) if logprobs else await fe.backend.direct_route(model)
     # only the outputs read here (Tandem's ensembles send every declared output on every
     # response, so asking for fewer never holds a response back)
-    wanted = BASE_OUTPUTS + (("output_log_probs",) if logprobs else ()) + (
+    wanted = BASE_OUTPUTS + (("output_log_probs",) if "return_log_probs" in arrays[0] else ()) + (
+        RANKED_OUTPUTS[:2] if TOP_INPUT in arrays[0] else ()) + (
+        RANKED_OUTPUTS[2:] if PROMPT_INPUT in arrays[0] else ()) + (
         (CACHED_OUTPUT,) if fe.backend.declares_output(model, CACHED_OUTPUT) else ())
     return merged([fe.backend.generate(target, a, request_id=f"{rid}-{i}", outputs=wanted, cancel_model=cancel)
                    for i, a in enumerate(arrays)])

@@ -37,14 +37,19 @@ OPTIONAL_FIELDS = {
     "frequency_penalty": (("frequency_penalty",), np.float32, 0.0),
     "repetition_penalty": (("repetition_penalty",), np.float32, 1.0),
     "min_tokens": (("min_tokens", "min_length"), np.int32, 0),
+    "ignore_eos": (("ignore_eos",), np.bool_, False),
 }
 LOG_PROBS_INPUT, LOG_PROBS_OUTPUT = "return_log_probs", "output_log_probs"
+TOP_INPUT, PROMPT_INPUT = "num_top_log_probs", "num_prompt_log_probs"
+BIAS_INPUTS = ("logit_bias_token_ids", "logit_bias_values")
 CACHE_SALT_INPUT, CACHED_OUTPUT = "cache_salt", "num_cached_tokens"
 SEED_MOD = 2 ** 64
 # the field an ensemble error names ("in ensemble 'tandem', max_tokens: got 0; ..."), as OpenAI names it
 _FIELD = re.compile(r"^(?:in ensemble '[^']*', )?([a-z_]+): ")
 OPENAI_NAMES = {"text_input": "prompt", "stop_words": "stop", "random_seed": "seed", "min_length": "min_tokens",
                 "return_log_probs": "logprobs", "guided_decoding_guide": "response_format",
+                "num_top_log_probs": "logprobs", "num_prompt_log_probs": "prompt_logprobs",
+                "logit_bias_token_ids": "logit_bias", "logit_bias_values": "logit_bias",
                 "guided_decoding_guide_type": "response_format"}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 
@@ -98,11 +103,24 @@ def ensemble_inputs(req: _Request, prompt: str | list[int], declared: frozenset[
                                  f"{GUIDE_INPUTS[0]!r}")
         arrays[GUIDE_INPUTS[0]] = one(kind.encode(), np.object_)
         arrays[GUIDE_INPUTS[1]] = one(text.encode("utf-8"), np.object_)
+    def require(name: str, field: str) -> None:
+        if name not in declared:
+            raise invalid(field, f"not supported by this server: ensemble {model!r} declares no input {name!r}")
+
     if logprobs:
-        if LOG_PROBS_INPUT not in declared:
-            raise invalid("logprobs", f"not supported by this server: ensemble {model!r} declares no "
-                                      f"input {LOG_PROBS_INPUT!r}")
+        require(LOG_PROBS_INPUT, "logprobs")
         arrays[LOG_PROBS_INPUT] = one(True, np.bool_)
+        if req.num_top_logprobs():
+            require(TOP_INPUT, "logprobs")
+            arrays[TOP_INPUT] = one(req.num_top_logprobs(), np.int32)
+    if req.num_prompt_logprobs() is not None:
+        require(PROMPT_INPUT, "prompt_logprobs")
+        arrays[PROMPT_INPUT] = one(req.num_prompt_logprobs(), np.int32)
+    bias = req.token_bias()
+    if bias:
+        require(BIAS_INPUTS[0], "logit_bias")
+        arrays[BIAS_INPUTS[0]] = np.array([list(bias)], dtype=np.int32)
+        arrays[BIAS_INPUTS[1]] = np.array([list(bias.values())], dtype=np.float32)
     unknown = set(arrays) - set(declared)
     if unknown:   # a required one missing from the config: say so rather than let Triton refuse it
         raise OpenAIError(500, f"ensemble {model!r} does not declare the inputs {sorted(unknown)}",

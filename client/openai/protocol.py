@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # OpenAI's limits where it has them; the ensemble's own where it is stricter
 MAX_N = 16              # choices per request: each is its own stream to the ensemble
-MAX_LOGPROBS = 1        # only the sampled token's log probability comes back (no alternatives)
+MAX_LOGPROBS = 20       # alternatives per position (OpenAI's chat limit, vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 100    # OpenAI's range for a logit_bias value: [-100, 100]
 INT32_MAX = 2 ** 31 - 1  # the ensemble's integer inputs are INT32: a larger value would wrap
 
 
@@ -69,9 +70,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# fields that cannot change an answer: accepted and ignored (OpenAI's bookkeeping)
+NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
+# fields of vLLM's and OpenAI's APIs Tandem does not implement: accepted at the value that
+# asks for nothing (clients send them so), refused by name otherwise
+DEFAULT_ONLY_FIELDS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                       "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
+                       "min_p": 0.0, "allowed_token_ids": None, "bad_words": None, "stop_token_ids": None,
+                       "truncate_prompt_tokens": None, "return_tokens_as_token_ids": False,
+                       "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+                       "add_special_tokens": None, "priority": 0, "top_a": 0, "typical_p": 1.0,
+                       "reasoning_effort": None, "modalities": None, "prediction": None}
+
+
+def unknown_fields(extra: dict[str, Any]) -> None:
+    """A field the API does not know is refused, never silently ignored (a client must learn
+    that ``min_p`` or ``logit_processors`` did nothing); see the two tables above.
+
+    >>> unknown_fields({"store": False, "skip_special_tokens": True})
+    >>> try:
+    ...     unknown_fields({"min_p": 0.1})
+    ... except OpenAIError as e:
+    ...     print(e.status, e.message)
+    400 min_p: got 0.1; Tandem does not implement it (allowed: 0.0, or leave it out)
+    """
+    for name, value in extra.items():
+        if name in NO_EFFECT_FIELDS:
+            continue
+        if name in DEFAULT_ONLY_FIELDS:
+            default = DEFAULT_ONLY_FIELDS[name]
+            if value == default or value is None or (default is None and value in ([], {}, "")):
+                continue
+            allowed = "leave it out" if default is None else f"{default!r}, or leave it out"
+            raise invalid(name, f"got {value!r}; Tandem does not implement it (allowed: {allowed})")
+        raise invalid(name, "not a field this API knows; refused rather than ignored (docs/OPENAI.md lists "
+                            "the fields it honours)")
+
+
 class _Request(BaseModel):
-    # clients send fields of newer API versions; what matters here is named below
-    model_config = ConfigDict(extra="ignore")
+    # an unknown field is kept here and refused by name (:func:`unknown_fields`)
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -89,9 +127,12 @@ class _Request(BaseModel):
     # extensions vLLM and SGLang accept too (sent to the ensemble when it declares them)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    ignore_eos: bool | None = None
     repetition_penalty: float | None = Field(default=None, gt=0)
     # vLLM's: prompts share cached KV (prefix caching) only with requests of the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the prompt's tokens' log probabilities, with this many alternatives each
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # structured output: OpenAI's response_format (vLLM takes it on completions too) and
     # vLLM's structured_outputs and guided_* extras
     response_format: dict[str, Any] | None = None
@@ -177,9 +218,38 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` as token id -> value (OpenAI's: ids as strings, values in
+        [-100, 100]); the ensemble checks the ids against the vocabulary.
+
+        >>> CompletionRequest(model="m", prompt="x", logit_bias={"50256": -100}).token_bias()
+        {50256: -100.0}
+        """
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if token < 0 or token >= 2 ** 31 or str(token) != key.strip():
+                raise invalid("logit_bias", f"key {key!r}; allowed: token ids (integers >= 0, as strings)")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise invalid("logit_bias", f"{key}: {value}; allowed: numbers in [-{MAX_LOGIT_BIAS}, "
+                                            f"{MAX_LOGIT_BIAS}]")
+            bias[token] = float(value)
+        return bias
+
+    def num_top_logprobs(self) -> int:
+        """The alternatives asked for at each generated position."""
+        return 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt's log probabilities asked for (with that many alternatives), or None."""
+        return self.prompt_logprobs
+
     def common_unsupported(self) -> None:
-        if self.logit_bias:
-            raise invalid("logit_bias", "not supported by Tandem's ensemble; send none")
+        unknown_fields(self.model_extra or {})
+        self.token_bias()
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
         self.guide()     # a malformed response_format or guided_* field: 400 before anything is sent
@@ -190,7 +260,7 @@ class CompletionRequest(_Request):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -226,12 +296,15 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", f"got {self.best_of}; allowed: equal to n ({self.n}) or unset "
                                      "(no ranking of candidates)")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise invalid("logprobs", f"got {self.logprobs}; allowed: 0 or 1 (the ensemble returns the "
-                                      "sampled token's log probability, no alternatives)")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo", "echo with logprobs needs the prompt's log probabilities, which the "
-                                  "ensemble does not return; send one of them")
+
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` k: the prompt's, with k alternatives (OpenAI's legacy
+        completions; lm-evaluation-harness scores with it), or vLLM's ``prompt_logprobs``."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
 
 class ContentPart(BaseModel):
@@ -268,7 +341,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -300,11 +373,13 @@ class ChatCompletionRequest(_Request):
         if self.functions is not None or self.function_call is not None:
             name = "functions" if self.functions is not None else "function_call"
             raise invalid(name, "the deprecated form of tools; send tools and tool_choice")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
-        if (self.top_logprobs or 0) > MAX_LOGPROBS:
-            raise invalid("top_logprobs", f"got {self.top_logprobs}; allowed: 0 or 1 (the ensemble returns "
-                                          "the sampled token's log probability, no alternatives)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs", "not returned in a streamed chat (as vLLM); send stream false")
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0 if self.logprobs else 0
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ gRPC stream.
 Log probabilities: the ensemble returns the sampled token's (``output_log_probs``); the
 token's text comes from ``output_ids`` when the ensemble returns them, else from the
 response's text (:func:`tokens_of`: exact with one token per response, which is the case
-without speculation).
+without speculation). The alternatives at each position (``output_top_*``) and the
+prompt's log probabilities (``prompt_*``) come as token ids, named by the checkpoint's
+tokenizer (``token_id:N`` without one, as vLLM names them with
+``return_tokens_as_token_ids``).
 
 >>> c = Choice(0)
 >>> c.add(EnsembleResponse(text="ab", num_input_tokens=3, num_output_tokens=2, finish_reason="length"))
@@ -46,6 +49,8 @@ class Choice:
     cached_tokens: int | None = None                       # None: not reported
     tokens: list[str] = field(default_factory=list)       # with logprobs
     logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[str, float]]] = field(default_factory=list)   # alternatives per token
+    prompt: "PromptPart | None" = None                     # with prompt log probabilities
 
     @property
     def text(self) -> str:
@@ -65,7 +70,59 @@ class Choice:
         if r.log_probs:
             self.tokens += tokens_of(r, tokenizer)
             self.logprobs += r.log_probs
+        for ids, values in zip(r.top_ids, r.top_log_probs):
+            self.tops.append(list(zip(token_names(ids, tokenizer), values)))
+        if r.prompt_ids and self.prompt is None:
+            self.prompt = PromptPart.of(r, tokenizer)
         return r.text
+
+
+def token_names(ids: list[int], tokenizer=None) -> list[str]:
+    """Each token's text (``token_id:N`` without a tokenizer).
+
+    >>> token_names([5, 9])
+    ['token_id:5', 'token_id:9']
+    """
+    if tokenizer is None:
+        return [f"token_id:{i}" for i in ids]
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+@dataclass(slots=True)
+class PromptPart:
+    """The prompt's tokens with their log probabilities (None at 0) and alternatives."""
+    ids: list[int]
+    tokens: list[str]
+    logprobs: list[float | None]
+    top_ids: list[list[int]]
+    tops: list[list[tuple[str, float]]]
+
+    @classmethod
+    def of(cls, r: EnsembleResponse, tokenizer=None) -> "PromptPart":
+        return cls(r.prompt_ids, token_names(r.prompt_ids, tokenizer), r.prompt_log_probs, r.prompt_top_ids,
+                   [list(zip(token_names(ids, tokenizer), values))
+                    for ids, values in zip(r.prompt_top_ids, r.prompt_top_log_probs)])
+
+    def vllm(self) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per position (None at 0) the token and its
+        alternatives by id: ``{"logprob", "rank", "decoded_token"}`` (a rank only where
+        the token is among the alternatives)."""
+        out: list[dict | None] = [None]
+        for j in range(1, len(self.ids)):
+            entries = {str(self.ids[j]): {"logprob": finite(self.logprobs[j]), "rank": None,
+                                          "decoded_token": self.tokens[j]}}
+            for rank, (i, (name, value)) in enumerate(zip(self.top_ids[j], self.tops[j]), 1):
+                if str(i) in entries:
+                    entries[str(i)]["rank"] = rank
+                else:
+                    entries[str(i)] = {"logprob": finite(value), "rank": rank, "decoded_token": name}
+            out.append(entries)
+        return out
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: a token the sampling settings exclude reads -9999.0 (vLLM's)."""
+    return max(logprob, -9999.0)
 
 
 def tokens_of(r: EnsembleResponse, tokenizer=None) -> list[str]:
@@ -166,21 +223,54 @@ def error_event(exc: BaseException) -> str:
 
 
 # ---- completions --------------------------------------------------------------------------------
-def completion_logprobs(choice: Choice, start: int = 0, offset: int = 0, top: bool = False) -> dict:
+def completion_logprobs(choice: Choice, start: int = 0, offset: int = 0, with_prompt: bool = False) -> dict:
     """OpenAI's completions ``logprobs`` object for tokens ``start:`` of ``choice``,
-    ``offset`` = the text offset of the first of them."""
+    ``offset`` = the text offset of the first of them; ``with_prompt`` (``echo``): the
+    prompt's tokens first (the first one's log probability and alternatives null).
+    ``top_logprobs`` holds, per position, the token itself and the alternatives asked
+    for, token text -> log probability (vLLM's shape)."""
     tokens, lps = choice.tokens[start:], choice.logprobs[start:]
+    tops = [[(t, lp), *alts] for t, lp, alts in zip(tokens, lps, choice.tops[start:] or [[]] * len(tokens))]
     offsets, pos = [], offset
-    for t in tokens:
+    prompt = choice.prompt if with_prompt else None
+    if prompt is not None:
+        ppos = 0
+        for t in prompt.tokens:
+            offsets.append(ppos)
+            ppos += len(t)
+        tokens = prompt.tokens + tokens
+        lps = prompt.logprobs + lps
+        tops = [None] + [[(t, lp), *alts] for t, lp, alts in
+                         zip(prompt.tokens[1:], prompt.logprobs[1:], prompt.tops[1:])] + tops
+    for t in choice.tokens[start:]:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if top else None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else finite(lp) for lp in lps],
+            "top_logprobs": [None if top is None else _by_text(top) for top in tops],
+            "text_offset": offsets}
+
+
+def _by_text(entries: list[tuple[str, float]]) -> dict[str, float]:
+    """Token text -> log probability; of two tokens with the same text the likelier one
+    (lm-evaluation-harness calls a token greedy when its value is the dict's largest, so
+    a likelier token hiding behind the same text must not be lost).
+
+    >>> _by_text([("a", -2.0), ("a", -1.0), ("b", -3.0)])
+    {'a': -1.0, 'b': -3.0}
+    """
+    out: dict[str, float] = {}
+    for name, value in entries:
+        out[name] = max(out.get(name, -float("inf")), finite(value))
+    return out
 
 
 def chat_logprobs(choice: Choice, start: int = 0, top: int = 0) -> dict:
+    """OpenAI's chat ``logprobs``: per token its text, log probability and bytes, and the
+    ``top`` most likely tokens at its position."""
+    def entry(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8"))}
     content = []
-    for t, lp in zip(choice.tokens[start:], choice.logprobs[start:]):
-        entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        content.append({**entry, "top_logprobs": [entry] if top else []})
+    alts = choice.tops[start:] or [[]] * len(choice.tokens[start:])
+    for t, lp, alt in zip(choice.tokens[start:], choice.logprobs[start:], alts):
+        content.append({**entry(t, lp), "top_logprobs": [entry(n, v) for n, v in alt[:top]]})
     return {"content": content}

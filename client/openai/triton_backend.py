@@ -46,6 +46,15 @@ class EnsembleResponse:
     final: bool = False
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    # with num_top_log_probs: each token's most likely alternatives (ids, log probabilities)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
+    # with num_prompt_log_probs, on the first response: the prompt's tokens, their log
+    # probabilities (None at 0) and the alternatives at each position (empty at 0)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_log_probs: list[float | None] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_log_probs: list[list[float]] = field(default_factory=list)
     cancel_token: bytes | None = None     # a direct ensemble's: what the cancel model takes
 
 
@@ -76,7 +85,7 @@ def parse_result(result) -> EnsembleResponse:
         return _parse_raw(response.outputs, raw, final)
     ids = result.as_numpy("output_ids")
     lps = result.as_numpy("output_log_probs")
-    return EnsembleResponse(
+    r = EnsembleResponse(
         text=_text(_first(result, "text_output")), finish_reason=_text(_first(result, "finish_reason")),
         num_input_tokens=int(_first(result, "num_input_tokens") or 0),
         num_output_tokens=int(_first(result, "num_output_tokens") or 0), final=final,
@@ -85,6 +94,35 @@ def parse_result(result) -> EnsembleResponse:
         output_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
         log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)],
         cancel_token=None if _first(result, CANCEL_TOKEN) is None else bytes(_first(result, CANCEL_TOKEN)))
+    for name in RANKED_OUTPUTS:
+        arr = result.as_numpy(name)
+        if arr is not None:
+            _set_ranked(r, name, arr)
+    return r
+
+
+# the log-probability outputs beyond the sampled tokens' (backends/triton/response_arrays.py)
+RANKED_OUTPUTS = ("output_top_token_ids", "output_top_log_probs", "prompt_token_ids", "prompt_log_probs",
+                  "prompt_top_token_ids", "prompt_top_log_probs")
+
+
+def _set_ranked(r: EnsembleResponse, name: str, arr: np.ndarray) -> None:
+    """One of :data:`RANKED_OUTPUTS` into ``r``: rows of alternatives ([1, rows, k]), or
+    the prompt's ids and log probabilities ([1, P]); NaN (nothing predicts the prompt's
+    first token) reads as None, and position 0's padding of alternatives is dropped."""
+    if name in ("prompt_token_ids", "prompt_log_probs"):
+        values = arr.reshape(-1).tolist()
+        if name == "prompt_token_ids":
+            r.prompt_ids = [int(v) for v in values]
+        else:
+            r.prompt_log_probs = [None if v != v else float(v) for v in values]
+        return
+    rows = arr.reshape(-1, arr.shape[-1]).tolist() if arr.size else []
+    if name.startswith("prompt") and rows:
+        rows[0] = []
+    setattr(r, {"output_top_token_ids": "top_ids", "output_top_log_probs": "top_log_probs",
+                "prompt_top_token_ids": "prompt_top_ids", "prompt_top_log_probs": "prompt_top_log_probs"}[name],
+            [[int(v) for v in row] for row in rows] if name.endswith("ids") else rows)
 
 
 def _parse_raw(outputs, raw, final: bool) -> EnsembleResponse:
@@ -115,6 +153,9 @@ def _parse_raw(outputs, raw, final: bool) -> EnsembleResponse:
             r.log_probs = np.frombuffer(data, dtype="<f4").astype(float).tolist()
         elif name == CANCEL_TOKEN:
             r.cancel_token = _first_bytes(data) or None
+        elif name in RANKED_OUTPUTS:
+            dtype = "<i4" if name.endswith("ids") else "<f4"
+            _set_ranked(r, name, np.frombuffer(data, dtype=dtype).reshape(list(out.shape)))
     return r
 
 

@@ -260,6 +260,99 @@ def test_token_id_prompts_complete_as_their_text_does(served, client, demo_check
     assert exc.value.status_code == 400
 
 
+def hf_logprobs(checkpoint, ids: list[int]):
+    """[len(ids), V] log-softmax of HF transformers' fp32 logits (row j predicts ids[j + 1])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_echo_with_logprobs_gives_the_prompts_log_probabilities_as_hf_does(served, client, demo_checkpoint):
+    """lm-evaluation-harness's log-likelihood request, through the openai package: token ids,
+    echo, logprobs 1, max_tokens 1. The prompt's tokens come first with HF's fp32 log
+    probabilities (the first null); a prompt long enough for the prefill side is computed
+    by decode instead, and asking twice (the prefix now cached) changes nothing."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(demo_checkpoint / "tokenizer.json"))
+    ids = tok.encode((PROMPT + "if n < 2:\n        return n\n    ") * 12).ids[:300]
+    ref = hf_logprobs(demo_checkpoint, ids)
+    want = [None] + [float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                      echo=True, seed=1234)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:-1] == pytest.approx(want[1:], abs=1e-4)
+        for j in range(1, len(ids)):
+            top = lp.top_logprobs[j]
+            best = int(ref[j - 1].argmax())
+            greedy = ids[j] == best
+            # lm-eval's is_greedy: the token's value is the largest in its position's dict
+            assert (lp.token_logprobs[j] == max(top.values())) == greedy, j
+            assert max(top.values()) == pytest.approx(float(ref[j - 1, best]), abs=1e-4)
+    # a text prompt, streamed: the prompt's log probabilities lead the first chunk
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                   logprobs=2, echo=True, stream=True) if c.choices]
+    first = chunks[0].choices[0].logprobs
+    n_prompt = len(tok.encode(PROMPT).ids)
+    assert first.token_logprobs[0] is None and len(first.tokens) == n_prompt + 1
+    assert all(len(d) <= 3 for d in first.top_logprobs[1:])
+    # vLLM's prompt_logprobs: by token id, with ranks
+    status, body = post(served, "/completions", dict(model=MODEL, prompt=ids[:20], max_tokens=1, temperature=0,
+                                                     prompt_logprobs=3))
+    assert status == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == 20
+    assert got[5][str(ids[5])]["logprob"] == pytest.approx(want[5], abs=1e-4)
+    assert sorted(e["rank"] for e in got[5].values() if e["rank"] is not None) == [1, 2, 3]
+
+
+def test_top_logprobs_are_the_most_likely_alternatives(served, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 5 <= len(top) <= 6 and value == max(top.values())    # greedy: the token is the best
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=20)
+    for entry in c.choices[0].logprobs.content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 20 and values == sorted(values, reverse=True) and values[0] == entry.logprob
+
+
+def test_logit_bias_is_honoured(served, client, demo_checkpoint):
+    """+100 on one token makes greedy decoding emit it; -100 on the greedy token makes it
+    never appear; a token id outside the vocabulary is a 400 naming logit_bias."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(demo_checkpoint / "tokenizer.json"))
+    forced = tok.encode(" banana", add_special_tokens=False).ids[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 5)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    first = tok.encode(plain.choices[0].text, add_special_tokens=False).ids[0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert first not in tok.encode(banned.choices[0].text, add_special_tokens=False).ids
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={str(10 ** 6): 5})
+    assert e.value.body["param"] == "logit_bias"
+    # EOS made certain: the text stops at once, unless ignore_eos (vLLM's, as load tests send it)
+    eos = json.loads((demo_checkpoint / "config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                        logit_bias={str(eos): 100})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:       # a field this API does not know
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"min_p": 0.5})
+    assert e.value.body["param"] == "min_p"
+
+
 def test_an_api_key_is_required_by_the_openai_package_s_own_client(served, demo_checkpoint):
     """``--api-key``: the `openai` package sends its key as a bearer token; a wrong one is
     its AuthenticationError (401), the right one serves the same greedy text."""

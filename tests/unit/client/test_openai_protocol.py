@@ -24,7 +24,7 @@ DEMO = "checkpoints/demo/target"
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("temperature", 2.5),
                                          ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 17), ("seed", -1),
                                          ("presence_penalty", 3), ("frequency_penalty", -2.5),
-                                         ("logprobs", 6), ("top_k", -1),
+                                         ("logprobs", 21), ("top_k", -1),
                                          # INT32 inputs: larger values would wrap around
                                          ("max_tokens", 2 ** 32 + 5), ("top_k", 2 ** 32 + 1),
                                          ("min_tokens", 2 ** 31)])
@@ -54,8 +54,9 @@ def test_a_token_id_prompt_is_the_ensembles_input_ids():
 
 
 @pytest.mark.parametrize("fields,param", [(dict(suffix="x"), "suffix"), (dict(best_of=3), "best_of"),
-                                          (dict(logprobs=2), "logprobs"), (dict(echo=True, logprobs=0), "echo"),
-                                          (dict(logit_bias={"5": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"five": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"-5": 1.0}), "logit_bias"),
+                                          (dict(logit_bias={"5": 100.5}), "logit_bias"),
                                           (dict(stream_options={"include_usage": True}), "stream_options")])
 def test_fields_tandem_cannot_honour_are_refused_not_ignored(fields, param):
     with pytest.raises(OpenAIError) as e:
@@ -66,7 +67,7 @@ def test_fields_tandem_cannot_honour_are_refused_not_ignored(fields, param):
 @pytest.mark.parametrize("fields,param", [(dict(functions=[{"name": "f"}]), "functions"),
                                           (dict(response_format={"type": "yaml"}), "response_format"),
                                           (dict(top_logprobs=1), "top_logprobs"),
-                                          (dict(logprobs=True, top_logprobs=5), "top_logprobs")])
+                                          (dict(stream=True, prompt_logprobs=1), "prompt_logprobs")])
 def test_chat_fields_tandem_cannot_honour(fields, param):
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
     with pytest.raises(OpenAIError) as e:
@@ -112,11 +113,36 @@ def test_a_penalty_is_sent_when_declared_and_refused_when_not():
 
 
 def test_logprobs_ask_for_return_log_probs():
-    req = CompletionRequest(model="m", prompt="p", logprobs=1)
+    req = CompletionRequest(model="m", prompt="p", logprobs=0)
     with pytest.raises(OpenAIError, match="return_log_probs"):
         ensemble_inputs(req, "p", DEFAULT_DECLARED, index=0, max_tokens=5, logprobs=True)
     a = ensemble_inputs(req, "p", DEFAULT_DECLARED | {"return_log_probs"}, index=0, max_tokens=5, logprobs=True)
-    assert a["return_log_probs"].tolist() == [[True]]
+    assert a["return_log_probs"].tolist() == [[True]] and "num_top_log_probs" not in a
+
+
+ALL_LOGPROBS = DEFAULT_DECLARED | {"return_log_probs", "num_top_log_probs", "num_prompt_log_probs",
+                                   "logit_bias_token_ids", "logit_bias_values"}
+
+
+@pytest.mark.parametrize("fields,want", [
+    (dict(logprobs=3), {"return_log_probs": [[True]], "num_top_log_probs": [[3]]}),
+    (dict(logprobs=2, echo=True), {"return_log_probs": [[True]], "num_top_log_probs": [[2]],
+                                   "num_prompt_log_probs": [[2]]}),
+    (dict(prompt_logprobs=4), {"num_prompt_log_probs": [[4]]}),
+    (dict(logprobs=1, echo=True, prompt_logprobs=5), {"return_log_probs": [[True]], "num_top_log_probs": [[1]],
+                                                      "num_prompt_log_probs": [[5]]}),
+    (dict(logit_bias={"7": -100, "3": 2.5}), {"logit_bias_token_ids": [[7, 3]],
+                                              "logit_bias_values": [[-100.0, 2.5]]}),
+])
+def test_alternatives_prompt_logprobs_and_bias_become_their_inputs(fields, want):
+    req = CompletionRequest(model="m", prompt="p", **fields)
+    req.unsupported()
+    a = ensemble_inputs(req, "p", ALL_LOGPROBS, index=0, max_tokens=5, logprobs=req.logprobs is not None)
+    assert {k: v.tolist() for k, v in a.items() if k in ALL_LOGPROBS - DEFAULT_DECLARED} == want
+    with pytest.raises(OpenAIError) as e:       # an ensemble without them: refused by name
+        ensemble_inputs(req, "p", DEFAULT_DECLARED | {"return_log_probs"}, index=0, max_tokens=5,
+                        logprobs=req.logprobs is not None)
+    assert e.value.param in ("logprobs", "prompt_logprobs", "logit_bias")
 
 
 @pytest.mark.parametrize("message,status,param", [
@@ -302,7 +328,7 @@ def test_logprobs_carry_each_tokens_text_and_value():
         return [EnsembleResponse("ab", "", 2, 2, output_ids=[5, 6], log_probs=[-0.5, -1.0]),
                 EnsembleResponse("c", "length", 2, 3, log_probs=[-0.25]), EnsembleResponse(final=True)]
     backend = FakeBackend(script, inputs=DEFAULT_DECLARED | {"return_log_probs"}, outputs={"output_log_probs"})
-    status, body = call(app_with(backend), "/v1/completions", dict(model="tandem", prompt="p", logprobs=1))
+    status, body = call(app_with(backend), "/v1/completions", dict(model="tandem", prompt="p", logprobs=0))
     lp = body["choices"][0]["logprobs"]
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(f"{DEMO}/tokenizer.json")
@@ -312,6 +338,61 @@ def test_logprobs_carry_each_tokens_text_and_value():
     assert "output_log_probs" in backend.outputs and "text_output" in backend.outputs
     status, body = call(app_with(FakeBackend(script)), "/v1/completions", dict(model="tandem", prompt="p", logprobs=0))
     assert status == 400 and "output_log_probs" in body["error"]["message"]
+
+
+def test_echo_with_logprobs_puts_the_prompts_first_as_lm_eval_reads_them():
+    """lm-evaluation-harness's request (token ids, echo, logprobs 1, max_tokens 1): the
+    prompt's tokens lead, the first one's log probability null; each position's dict
+    holds the token and the alternative, the greedy one's value the same float."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(f"{DEMO}/tokenizer.json")
+    name = lambda i: tok.decode([i], skip_special_tokens=False)
+
+    def script(a):
+        assert a["num_prompt_log_probs"].tolist() == [[1]] and a["num_top_log_probs"].tolist() == [[1]]
+        return [EnsembleResponse("x", "length", 3, 1, output_ids=[9], log_probs=[-0.5], top_ids=[[9]],
+                                 top_log_probs=[[-0.5]], prompt_ids=[5, 6, 7], prompt_log_probs=[None, -2.0, -0.25],
+                                 prompt_top_ids=[[], [8], [7]], prompt_top_log_probs=[[], [-1.0], [-0.25]]),
+                EnsembleResponse(final=True)]
+    backend = FakeBackend(script, inputs=ALL_LOGPROBS | {"input_ids"},
+                          outputs={"output_log_probs", "prompt_log_probs"})
+    backend.tokens_route = lambda model: _async("tandem_tokens")
+    status, body = call(app_with(backend), "/v1/completions",
+                        dict(model="tandem", prompt=[5, 6, 7], max_tokens=1, temperature=0, logprobs=1,
+                             echo=True, seed=1234, prompt_logprobs=1))
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [name(5), name(6), name(7), name(9)]
+    assert lp["token_logprobs"] == [None, -2.0, -0.25, -0.5]
+    assert lp["top_logprobs"] == [None, {name(6): -2.0, name(8): -1.0}, {name(7): -0.25}, {name(9): -0.5}]
+    assert lp["text_offset"][:2] == [0, len(name(5))]
+    # lm-eval's is_greedy over the continuation [7]: the token's value is the dict's largest
+    assert lp["token_logprobs"][2] == max(lp["top_logprobs"][2].values())
+    assert lp["token_logprobs"][1] != max(lp["top_logprobs"][1].values())
+    assert body["choices"][0]["prompt_logprobs"] == [
+        None, {"6": {"logprob": -2.0, "rank": None, "decoded_token": name(6)},
+               "8": {"logprob": -1.0, "rank": 1, "decoded_token": name(8)}},
+        {"7": {"logprob": -0.25, "rank": 1, "decoded_token": name(7)}}]
+    assert set(backend.outputs) >= {"prompt_token_ids", "prompt_top_log_probs", "output_top_token_ids"}
+
+
+async def _async(value):
+    return value
+
+
+def test_chat_top_logprobs_are_the_alternatives():
+    def script(a):
+        assert a["num_top_log_probs"].tolist() == [[2]]
+        return [EnsembleResponse("a", "", 3, 1, log_probs=[-0.1], top_ids=[[5, 6]], top_log_probs=[[-0.1, -float("inf")]]),
+                EnsembleResponse("", "stop", 3, 1), EnsembleResponse(final=True)]
+    backend = FakeBackend(script, inputs=ALL_LOGPROBS, outputs={"output_log_probs"})
+    status, body = call(app_with(backend), "/v1/chat/completions",
+                        dict(model="tandem", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                             top_logprobs=2))
+    assert status == 200, body
+    (entry,) = body["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == "a" and entry["logprob"] == -0.1
+    assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.1, -9999.0]     # JSON has no -inf
 
 
 @pytest.mark.parametrize("text", ["    return self.x", " def main():", "\n\n", "ab"])
@@ -474,3 +555,32 @@ def test_a_response_is_read_off_its_raw_tensors(text_shape):
              "num_input_tokens": np.array([[1]], dtype=np.uint32), "num_output_tokens": np.array([[1]], dtype=np.uint32)}
     assert parse_result(InferResult(_wire_response(empty))) == EnsembleResponse(num_input_tokens=1,
                                                                                  num_output_tokens=1)
+
+
+@pytest.mark.parametrize("fields,param", [(dict(min_p=0.2), "min_p"), (dict(skip_special_tokens=False),
+                                                                         "skip_special_tokens"),
+                                          (dict(logits_processors=["x"]), "logits_processors"),
+                                          (dict(frobnicate=1), "frobnicate")])
+def test_unknown_fields_are_refused_by_name_not_ignored(fields, param):
+    for req in (CompletionRequest(model="m", prompt="x", **fields),
+                ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)):
+        with pytest.raises(OpenAIError) as e:
+            req.unsupported()
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_fields_at_their_neutral_value_and_bookkeeping_fields_are_accepted():
+    req = CompletionRequest(model="m", prompt="x", user="u", store=False, metadata={"a": "b"},
+                            skip_special_tokens=True, min_p=0.0, stop_token_ids=[], include_stop_str_in_output=False)
+    req.unsupported()
+
+
+def test_ignore_eos_is_sent_when_the_ensemble_declares_it():
+    req = CompletionRequest(model="m", prompt="p", ignore_eos=True)
+    a = ensemble_inputs(req, "p", DEFAULT_DECLARED | {"ignore_eos"}, index=0, max_tokens=5)
+    assert a["ignore_eos"].tolist() == [[True]]
+    with pytest.raises(OpenAIError) as e:
+        ensemble_inputs(req, "p", DEFAULT_DECLARED, index=0, max_tokens=5)
+    assert e.value.param == "ignore_eos"
+    assert "ignore_eos" not in ensemble_inputs(CompletionRequest(model="m", prompt="p", ignore_eos=False), "p",
+                                               DEFAULT_DECLARED, index=0, max_tokens=5)
