@@ -61,6 +61,11 @@ class EngineConfig:
     # the serving model's version: part of every cache key, so a rolled version never
     # reads an older one's KV
     model_version: str = ""
+    # multi-LoRA (backends/lora): adapter slots held at once (0: LoRA off) and the largest
+    # adapter rank they take (vLLM's names and defaults); engine-only for now, not yet
+    # Triton/`tandem serve` settings
+    max_loras: int = 0
+    max_lora_rank: int = 16
     dtype_reason: str = field(default="", compare=False)   # why this dtype (set with "auto")
 
     def __post_init__(self) -> None:
@@ -83,6 +88,9 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}; allowed: an integer >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}; "
+                             "allowed: max_loras >= 0 (0: no LoRA), max_lora_rank >= 1")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
         for name in ("kv_audit", "kv_audit_recompute"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence as Seq
 
+from ..lora.request import LoRARequest
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .logprobs import PromptLogprobs, TopLogprobs
@@ -43,20 +44,32 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora: LoRARequest | Seq[LoRARequest | None] | None = None
                  ) -> list[CompletionOutput]:
-        """Complete every prompt; all requests are validated before any is queued."""
+        """Complete every prompt; all requests are validated before any is queued.
+        ``lora``: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        seqs = [self.engine.make_sequence(p, sp, lora=lr) for p, sp, lr in zip(prompts, plist, loras)]
         if len({s.request_id for s in seqs}) != len(seqs):
             raise ValueError("duplicate request ids")
-        for s in seqs:
-            self.engine.add(s)
+        added = []
+        try:
+            for s in seqs:     # an adapter that fails to load (or a full pool) queues none
+                self.engine.add(s)
+                added.append(s)
+        except Exception:
+            for s in added:
+                self.engine.abort(s.request_id)
+            raise
         texts = {s.request_id: [] for s in seqs}
         reasons: dict[str, str] = {}
         while len(reasons) < len(seqs):
@@ -72,11 +85,11 @@ class LLM:
                                  s.prompt_logprobs)
                 for s in seqs]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               lora: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield token deltas of one request as they are produced; the last has
         ``finished`` set. Closing the generator early aborts the request."""
-        rid = self.engine.add_request(prompt, params or SamplingParams())
+        rid = self.engine.add_request(prompt, params or SamplingParams(), lora=lora)
         done = False
         try:
             while not done:

@@ -10,6 +10,7 @@ from concurrent.futures import wait
 
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
+from ..lora import LoRAPool, LoRARequest
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
 from ..speculative.adaptive import SpecController
@@ -65,8 +66,12 @@ class LLMEngine:
         else:
             self.pool, self.allocator = make_kv_pool(config, cfg, dtype)
         k = self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        # adapters apply to the target only: a proposer drafts from the base, the target
+        # verifies with the request's adapter, so speculation stays lossless
+        self.lora_pool = LoRAPool(cfg, config.max_loras, config.max_lora_rank, config.device, dtype) \
+            if config.max_loras else None
         # the target's runner first: it packs the target's lm_head, which an MTP head shares
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.lora_pool)
         # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
         proposer = build_proposer(spec, config, self.model, self.pool.num_pages, proposer_kv_pool,
                                   lambda rid: not self.controller.backing_off(rid, "ngram")) \
@@ -116,13 +121,26 @@ class LLMEngine:
         return self.inputs.tokenize(prompt)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
-                      request_id: str | None = None) -> Sequence:
-        """Validate a request and build its sequence without changing engine state."""
-        return self.inputs.make_sequence(prompt, params, request_id, self.seqs)
+                      request_id: str | None = None, lora: LoRARequest | None = None) -> Sequence:
+        """Validate a request and build its sequence without changing engine state
+        (``lora``: its adapter; the adapter's files are read when it is added)."""
+        if lora is not None:
+            if not isinstance(lora, LoRARequest):
+                raise TypeError(f"lora must be a LoRARequest, got {type(lora).__name__}")
+            if self.lora_pool is None:
+                raise ValueError(f"request names LoRA adapter {lora.name!r} but LoRA is off "
+                                 "(max_loras=0); allowed: no adapter, or an engine with max_loras >= 1")
+        seq = self.inputs.make_sequence(prompt, params, request_id, self.seqs)
+        seq.lora = lora
+        return seq
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; with an adapter, its slot is taken now (loaded if it is not):
+        an adapter that does not load, or a full pool, raises before anything changed."""
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        if seq.lora is not None and not seq.lora_slot:
+            seq.lora_slot = self.lora_pool.acquire(seq.lora)
         self.seqs[seq.request_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)
@@ -156,8 +174,10 @@ class LLMEngine:
             self.prefix.admitted(seq, num_cached_pages * self.config.page_size)
         self.add(seq)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
-        seq = self.make_sequence(prompt, params, request_id)
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    lora: LoRARequest | None = None) -> str:
+        """Queue a request (``lora``: the adapter it runs under; None: the base model)."""
+        seq = self.make_sequence(prompt, params, request_id, lora)
         self.add(seq)
         return seq.request_id
 
@@ -182,6 +202,9 @@ class LLMEngine:
             else:      # cancelled or failed: nothing it alone holds stays cached
                 self.prefix.withdraw(seq)
         self.scheduler.finish(seq)
+        if seq.lora_slot:
+            self.lora_pool.release(seq.lora_slot)
+            seq.lora_slot = 0
         del self.seqs[seq.request_id]
 
     # -- one step -------------------------------------------------------------------
@@ -226,7 +249,8 @@ class LLMEngine:
             return self.spec.step([s.seq for s in scheduled], spec_plan)
         began = self.spec.clock() if self.spec is not None else 0.0
         batch = ForwardBatch([s.seq.token_ids(s.start, s.end) for s in scheduled],
-                             [s.start for s in scheduled], [s.seq.pages for s in scheduled])
+                             [s.start for s in scheduled], [s.seq.pages for s in scheduled],
+                             [s.seq.lora_slot for s in scheduled] if self.lora_pool else None)
         sampling = [s.seq for s in scheduled if s.samples]
         masks = self.controls.start(sampling, 1)
         try:

@@ -8,16 +8,23 @@ import torch
 from ..attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
                          append_paged_kv_cache, append_slots)
 from ..kv_cache import KVPagePool, PageTable, build_page_table
+from ..lora import LoRABatch, LoRAPool, plan_lora
 from ..models import LlamaForCausalLM, pack_linears
 
 
 @dataclass(slots=True)
 class ForwardBatch:
     """The interface between the engine and a runner: each sequence's new tokens,
-    the KV position of the first of them, and the pages that hold its KV."""
+    the KV position of the first of them, and the pages that hold its KV; with LoRA,
+    each sequence's adapter slot (0: the base model; None: no row uses an adapter)."""
     token_ids: list[list[int]]
     starts: list[int]
     page_lists: list[list[int]]
+    lora_slots: list[int] | None = None
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool(self.lora_slots) and any(self.lora_slots)
 
     @property
     def qo_lens(self) -> list[int]:
@@ -32,6 +39,7 @@ class StepInputs:
     batch_indices: torch.Tensor   # [N] int32: which request each new token belongs to
     page_table: PageTable
     is_decode: bool               # every request has qo_len == 1
+    lora: LoRABatch | None = None  # each row's adapter slot, grouped (None: no adapter)
 
     @property
     def last_rows(self) -> torch.Tensor:
@@ -39,7 +47,8 @@ class StepInputs:
         return self.qo_indptr[1:].long() - 1
 
 
-def prepare_inputs(batch: ForwardBatch, page_size: int, device) -> StepInputs:
+def prepare_inputs(batch: ForwardBatch, page_size: int, device,
+                   lora_pool: LoRAPool | None = None) -> StepInputs:
     ids, positions, batch_idx, qo_indptr = [], [], [], [0]
     for b, (toks, start) in enumerate(zip(batch.token_ids, batch.starts)):
         ids.extend(toks)
@@ -55,6 +64,7 @@ def prepare_inputs(batch: ForwardBatch, page_size: int, device) -> StepInputs:
         batch_indices=as_tensor(batch_idx, torch.int32),
         page_table=build_page_table(batch.page_lists, ends, page_size, device),
         is_decode=all(len(t) == 1 for t in batch.token_ids),
+        lora=plan_lora(lora_pool, batch.lora_slots, batch.qo_lens),
     )
 
 
@@ -85,10 +95,12 @@ class PagedAttention:
 class ModelRunner:
     """Plans attention for a batch and runs one model (target, draft or MTP head) on it."""
 
-    def __init__(self, model: LlamaForCausalLM | torch.nn.Module, pool: KVPagePool):
+    def __init__(self, model: LlamaForCausalLM | torch.nn.Module, pool: KVPagePool,
+                 lora_pool: LoRAPool | None = None):
         """``model`` has a ``config`` (head counts) and is called as a LlamaForCausalLM
-        by :meth:`forward`; an MTP head uses :meth:`attention` and calls itself."""
-        self.model, self.pool = model, pool
+        by :meth:`forward`; an MTP head uses :meth:`attention` and calls itself.
+        ``lora_pool``: the adapters a batch's ``lora_slots`` index (the target's only)."""
+        self.model, self.pool, self.lora_pool = model, pool, lora_pool
         pack_linears(model)   # inference only from here: oneDNN's packed bf16 weights
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -103,7 +115,7 @@ class ModelRunner:
         self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, pool.kv_layout)
 
     def attention(self, batch: ForwardBatch, on_layer_done=None) -> tuple[StepInputs, PagedAttention]:
-        inputs = prepare_inputs(batch, self.pool.page_size, self.device)
+        inputs = prepare_inputs(batch, self.pool.page_size, self.device, self.lora_pool)
         cfg, t = self.model.config, inputs.page_table
         common = dict(num_qo_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                       page_size=self.pool.page_size, q_data_type=self.dtype,
@@ -123,7 +135,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, on_layer_done=None) -> tuple[StepInputs, torch.Tensor]:
         """Pre-norm hidden states [N, hidden] of every new token."""
         inputs, attn = self.attention(batch, on_layer_done)
-        return inputs, self.model(inputs.input_ids, inputs.positions, attn)
+        if inputs.lora is None:
+            return inputs, self.model(inputs.input_ids, inputs.positions, attn)
+        return inputs, self.model(inputs.input_ids, inputs.positions, attn, lora=inputs.lora)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..kv_cache.page_audit import PageAudit
 from ..kv_cache.page_hash import page_keys, root_key
 from ..kv_cache.prefix_cache import CachingKVAllocator
+from ..lora.request import LoRARequest
 from .config import EngineConfig
 from .sequence import Sequence
 
@@ -47,6 +48,20 @@ def model_fingerprint(config: EngineConfig) -> tuple:
         path = spec.draft_model if spec.method == "draft_target" else spec.mtp_head
         proposer = (spec.method, checkpoint_fingerprint(path))
     return (checkpoint_fingerprint(config.model_dir), config.dtype, proposer)
+
+
+def request_salt(cache_salt: str | None, lora: LoRARequest | None = None):
+    """What a request adds to its chain's root: its ``cache_salt``, and with an adapter
+    the adapter's name and files (a KV computed under one adapter is another's, or the
+    base model's, never; a rewritten adapter directory gets new keys). Without an
+    adapter it is the salt alone, so the base model's keys do not change.
+
+    >>> request_salt("s") == request_salt("s", LoRARequest("a", 1, "."))
+    False
+    """
+    if lora is None:
+        return cache_salt
+    return (cache_salt, "lora", lora.name, checkpoint_fingerprint(lora.path))
 
 
 def key_lookahead(spec) -> int:
@@ -110,10 +125,11 @@ class PrefixCaching:
                    lookahead=key_lookahead(spec), proposer_kv=on and spec.has_kv, audit=audit)
 
     # -- on keys and page lists -----------------------------------------------------------
-    def keys(self, token_ids: list[int], cache_salt: str | None,
+    def keys(self, token_ids: list[int], cache_salt,
              known: list[bytes] = ()) -> list[bytes]:
         """Keys of ``token_ids``' full pages that have ``lookahead`` tokens after them;
-        ``known``: the first ones, computed before (extended, not recomputed)."""
+        ``known``: the first ones, computed before (extended, not recomputed);
+        ``cache_salt``: the request's :func:`request_salt`."""
         return page_keys(token_ids, self.page_size, root_key(*self.extra_keys, cache_salt),
                          known, self.lookahead)
 
@@ -184,8 +200,9 @@ class PrefixCaching:
     def _keys(self, seq: Sequence, num_pages: int) -> list[bytes]:
         if len(seq.page_keys) < num_pages:
             end = min(seq.num_tokens, num_pages * self.page_size + self.lookahead)
-            seq.page_keys = self.keys(seq.token_ids(0, end), seq.params.cache_salt,
-                                      seq.page_keys)
+            # the root (salt, adapter) only matters for the first key of the chain
+            salt = None if seq.page_keys else request_salt(seq.params.cache_salt, seq.lora)
+            seq.page_keys = self.keys(seq.token_ids(0, end), salt, seq.page_keys)
         return seq.page_keys[:num_pages]
 
     def match(self, seq: Sequence) -> int | None:

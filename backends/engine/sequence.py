@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..lora.request import LoRARequest
 from .logits_processors import LogitsControls
 from .logprobs import PromptLogprobs, TopLogprobs
 from .params import SamplingParams
@@ -48,6 +49,8 @@ class Sequence:
     top_logprobs: list[TopLogprobs] | None = None   # one per output token, with params.top_logprobs
     prompt_logprobs: PromptLogprobs | None = None   # with params.prompt_logprobs
     prompt_logprobs_sent: bool = False
+    lora: LoRARequest | None = None          # its adapter (None: the base model)
+    lora_slot: int = 0                       # the adapter's slot while it runs (0: none)
     # prefix caching (prefix_caching.py): keys of its full pages so far; of its pages,
     # the first num_matched_pages came from the cache and the first num_published are in it
     page_keys: list[bytes] = field(default_factory=list)

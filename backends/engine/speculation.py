@@ -166,8 +166,10 @@ class Speculation:
             for k, rows in groups.items():
                 masks[k] = self.controls.start([seqs[i] for i in rows], k + 1, draft_rows[k] if k else None)
             starts = [s.num_computed for s in seqs]
+            # the target verifies under each row's adapter (the drafts came from the base)
             batch = ForwardBatch([[s.token_ids(s.num_computed, s.num_tokens)[0], *d]
-                                  for s, d in zip(seqs, drafts)], starts, [s.pages for s in seqs])
+                                  for s, d in zip(seqs, drafts)], starts, [s.pages for s in seqs],
+                                 [s.lora_slot for s in seqs])
             hidden = self.target.verify_forward(batch, choice.k)
             logits = self.target.logits(hidden)
             ptr = list(itertools.accumulate(batch.qo_lens, initial=0))

@@ -39,8 +39,9 @@ class StepRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Pre-norm hidden states of every new token: replayed for a plain decode batch
-        that a graph holds, eager otherwise."""
-        if self.decode_graphs is not None:
+        that a graph holds, eager otherwise (always eager when a row uses a LoRA adapter:
+        the graphs and compiled steps hold the base model only)."""
+        if self.decode_graphs is not None and not batch.uses_lora:
             hidden = self.decode_graphs.forward(batch)
             if hidden is not None:
                 return hidden
@@ -50,7 +51,7 @@ class StepRunner:
         """Pre-norm hidden states of a verify batch (up to k + 1 tokens per sequence):
         compiled where warm-up measured it faster, eager otherwise."""
         verify = getattr(self.decode_graphs, "forward_verify", None)
-        if verify is not None:
+        if verify is not None and not batch.uses_lora:
             hidden = verify(batch, k)
             if hidden is not None:
                 return hidden

@@ -22,6 +22,15 @@ class AttentionBackend(Protocol):
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
 
 
+class LoRADelta(Protocol):
+    """What a layer needs from a step's LoRA plan (backends/lora/batch.py): add each
+    row's adapter delta to the base output ``y`` of a fused linear layer ("qkv", "o",
+    "gate_up", "down") for inputs ``x``. A step with no adapter passes None: no work."""
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the delta (in place)."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -56,28 +65,39 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn: AttentionBackend, lora: LoRADelta | None = None) -> torch.Tensor:
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, d)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.apply(self.layer, "qkv", x, qkv)
+        qkv = qkv.view(n, hq + 2 * hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hkv])
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:   # q and k rotated together: one set of ops per layer, not two
             q, k = apply_rope(qkv[:, :hq + hkv], cos, sin).split([hq, hkv], dim=1)
-        out = attn.forward(self.layer, q, k, qkv[:, hq + hkv:])
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = attn.forward(self.layer, q, k, qkv[:, hq + hkv:]).reshape(n, self.q_size)
+        if lora is None:
+            return self.o_proj(out)
+        return lora.apply(self.layer, "o", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRADelta | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate_up = lora.apply(self.layer, "gate_up", x, self.gate_up_proj(x))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up
+        return lora.apply(self.layer, "down", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -86,8 +106,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, attn: AttentionBackend, lora: LoRADelta | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import AttentionBackend, DecoderLayer, RMSNorm
+from .layers import AttentionBackend, DecoderLayer, LoRADelta, RMSNorm
 from .rope import RotaryTable
 
 
@@ -36,11 +36,12 @@ class LlamaForCausalLM(nn.Module):
         return self.rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, lora: LoRADelta | None = None) -> torch.Tensor:
+        """``lora``: the step's adapter plan (backends/lora), None when no row uses one."""
         cos, sin = self.rotary_table().lookup(positions)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, cos, sin, attn, lora)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The layer order, enforced: every import (lazy ones inside functions too) points down.
 
     cpu_kernels, models, kv_cache -> attention -> speculative -> engine -> training | disagg -> triton -> client
+    lora (adapters): on models, under engine
     rdma: a leaf beside them, used by disagg, triton and client only
 
 No cycle either, between packages or between modules: the imports a module runs when
@@ -25,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"backends": "tandem.backends", "rdma": "tandem.rdma", "client": "tandem.client"}
 
 # what each layer may import besides itself ("lazy" is backends' PEP 562 helper)
-ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "cpu_kernels"}
+ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "cpu_kernels", "lora"}
 ALLOWED: dict[str, set[str]] = {
     "models": {"cpu_kernels"},
     "kv_cache": set(),
     "attention": {"kv_cache", "cpu_kernels"},
     "speculative": {"models"},
+    "lora": {"models"},
     "engine": ENGINE_BELOW,
     "training": ENGINE_BELOW | {"engine"},
     "disagg": ENGINE_BELOW | {"engine", "rdma"},

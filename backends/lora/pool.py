@@ -1,0 +1,136 @@
+"""The adapter slots: every loaded adapter's A and B, stacked per layer and module group,
+so a batch's rows index them by slot.
+
+The model fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj``, so
+the pool does too: a group's A is ``[slots, in, parts * max_rank]`` (each part's A side
+by side) and its B ``[slots, parts * max_rank, out]`` block-diagonal (part ``j``'s B
+maps its rank block onto its output columns), so one matmul pair gives the delta of the
+fused output. Each adapter is padded to ``max_rank`` with zeros and its scaling is folded
+into B at load. Slot 0 stays zero: "no adapter".
+
+Slots are taken by name: a request acquires its adapter's slot (loading it into a free
+one, or into the least recently used one no running request holds) and releases it when
+it finishes; when every slot is held, acquiring another adapter is an error.
+
+>>> from tandem.backends.models.config import ModelConfig
+>>> cfg = ModelConfig("llama", 32, 8, 16, 1, 2, 1, 4)
+>>> pool = LoRAPool(cfg, max_loras=2, max_rank=4)
+>>> pool.A["qkv"][0].shape, pool.B["qkv"][0].shape      # layer 0: [slots, in, 3r], [slots, 3r, q+k+v]
+(torch.Size([3, 8, 12]), torch.Size([3, 12, 16]))
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.config import ModelConfig
+from .adapter import LoRAAdapter, load_adapter, module_shapes
+from .request import LoRARequest
+
+# the model's fused linear layers and the adapter modules each holds, in output order
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+@dataclass(slots=True)
+class Slot:
+    name: str
+    path: str
+    groups: frozenset[str]      # the module groups the adapter changes
+    refs: int = 0               # running requests holding it
+
+
+class LoRAPool:
+    """``max_loras`` adapter slots (1..max_loras; 0 is "no adapter") of rank up to
+    ``max_rank``, on ``device`` in ``dtype``."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras={max_loras}, max_lora_rank={max_rank}; allowed: integers >= 1")
+        self.config, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        shapes = module_shapes(cfg)
+        self.A: dict[str, list[torch.Tensor]] = {}
+        self.B: dict[str, list[torch.Tensor]] = {}
+        for g, modules in GROUPS.items():
+            fan_in = shapes[modules[0]][0]
+            fan_out = sum(shapes[m][1] for m in modules)
+            r = len(modules) * max_rank
+            self.A[g] = [torch.zeros(max_loras + 1, fan_in, r, device=device, dtype=dtype)
+                         for _ in range(cfg.num_hidden_layers)]
+            self.B[g] = [torch.zeros(max_loras + 1, r, fan_out, device=device, dtype=dtype)
+                         for _ in range(cfg.num_hidden_layers)]
+        self.slots: dict[int, Slot] = {}
+        self.by_name: dict[str, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()    # loaded, unheld: LRU first
+        self.loads = self.evictions = 0
+
+    # -- slots ------------------------------------------------------------------------
+    def acquire(self, lora: LoRARequest) -> int:
+        """The slot of ``lora``'s adapter, held once more (loaded first if it is not)."""
+        slot = self.by_name.get(lora.name)
+        if slot is not None:
+            if self.slots[slot].path != str(Path(lora.path)):
+                raise ValueError(f"LoRA adapter {lora.name!r} is loaded from {self.slots[slot].path}, "
+                                 f"not {lora.path}; one name, one adapter")
+        else:
+            adapter = load_adapter(lora.name, lora.path, self.config, self.max_rank)
+            slot = self._free_slot(lora.name)
+            self.load(slot, adapter, str(Path(lora.path)))
+        self.slots[slot].refs += 1
+        self.idle.pop(slot, None)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A request holding ``slot`` finished: unheld, it becomes evictable (LRU)."""
+        s = self.slots[slot]
+        s.refs -= 1
+        if s.refs == 0:
+            self.idle[slot] = None
+
+    def _free_slot(self, name: str) -> int:
+        for slot in range(1, self.max_loras + 1):
+            if slot not in self.slots:
+                return slot
+        if not self.idle:
+            held = ", ".join(sorted(s.name for s in self.slots.values()))
+            raise ValueError(f"LoRA adapter {name!r}: all {self.max_loras} adapter slots are held by "
+                             f"running requests ({held}); allowed: at most max_loras={self.max_loras} "
+                             "adapters at once — retry when one finishes")
+        slot, _ = self.idle.popitem(last=False)
+        del self.by_name[self.slots.pop(slot).name]
+        self.evictions += 1
+        return slot
+
+    def groups(self, slot: int) -> frozenset[str]:
+        return self.slots[slot].groups if slot else frozenset()
+
+    # -- weights -----------------------------------------------------------------------
+    def load(self, slot: int, adapter: LoRAAdapter, path: str = "") -> None:
+        """Write ``adapter`` into ``slot`` (its scaling folded into B), replacing what was there."""
+        shapes, r = module_shapes(self.config), adapter.rank
+        for g, modules in GROUPS.items():
+            for layer in range(self.config.num_hidden_layers):
+                A, B = self.A[g][layer][slot], self.B[g][layer][slot]
+                A.zero_()
+                B.zero_()
+                col = 0
+                for j, m in enumerate(modules):
+                    out = shapes[m][1]
+                    ab = adapter.weights.get((layer, m))
+                    if ab is not None:
+                        rows = slice(j * self.max_rank, j * self.max_rank + r)
+                        A[:, rows] = ab[0].T.to(A.dtype)
+                        B[rows, col:col + out] = (ab[1].T.double() * adapter.scaling).to(B.dtype)
+                    col += out
+        groups = frozenset(g for g, ms in GROUPS.items() if adapter.target_modules & set(ms))
+        self.slots[slot] = Slot(adapter.name, path, groups)
+        self.by_name[adapter.name] = slot
+        self.loads += 1
+
+    def weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``[slots, in, rank]`` and B ``[slots, rank, out]`` of one fused linear layer."""
+        return self.A[group][layer], self.B[group][layer]
