@@ -5,6 +5,7 @@ import logging
 import threading
 from typing import Callable
 
+from ..lora.request import LoRARequest
 from ..speculative.metrics import SpecDecodeMetrics
 from .config import EngineConfig
 from .inbox import Inbox
@@ -107,21 +108,24 @@ class AsyncEngine:
         return self.failure is None and (self._thread.is_alive() or self._thread.ident is None)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               on_output: OutputCallback) -> str:
+               on_output: OutputCallback, lora: LoRARequest | None = None) -> str:
+        """Queue a request (``lora``: its adapter; a full adapter pool or an adapter that
+        does not load fails it alone, through ``on_output``)."""
         self._check_alive()
         with self._lock:
-            seq = self.engine.make_sequence(prompt, params)
+            seq = self.engine.make_sequence(prompt, params, lora=lora)
         self._inbox.post(AddRequest(seq, on_output))
         return seq.request_id
 
     def submit_prefilled(self, prompt: str | list[int], params: SamplingParams,
-                         ticket: KVTicket, on_output: OutputCallback) -> str:
+                         ticket: KVTicket, on_output: OutputCallback,
+                         lora: LoRARequest | None = None) -> str:
         """Like :meth:`submit`, for a request whose prompt KV (all but the last token)
         another process computes: the request is admitted when ``ticket.poll()`` hands
         over the pages; until then it holds no slot and stalls no other sequence."""
         self._check_alive()
         with self._lock:
-            seq = self.engine.make_sequence(prompt, params)
+            seq = self.engine.make_sequence(prompt, params, lora=lora)
         self._inbox.post(AddRemote(seq, ticket, on_output))
         return seq.request_id
 

@@ -158,6 +158,8 @@ class LLMEngine:
         expected = pages_needed(n - 1, self.config.page_size)
         if len(pages) != expected:
             raise ValueError(f"{len(pages)} pages for {n - 1} prefilled tokens; expected {expected}")
+        if seq.lora is not None and not seq.lora_slot:   # a full pool refuses it before anything changed
+            seq.lora_slot = self.lora_pool.acquire(seq.lora)
         if self.prefix is not None and num_cached_pages:
             # the pages kv_transfer shared from this engine's cache, audited as a hit is
             kept = self.prefix.audited(pages[:num_cached_pages])   # gives back the cut ones

@@ -15,7 +15,7 @@ announces that forward to the hooks under the proposer's KV name.
 
 With ``enable_prefix_caching`` (the default) the engine keeps a prefix cache of its own,
 keyed as the colocated engine keys its pages (:class:`.prefix_caching.PrefixCaching`:
-model fingerprint and version, the request's ``cache_salt``; with an MTP head a page's
+model fingerprint and version, the request's ``cache_salt`` and adapter; with an MTP head a page's
 key covers the token after it). An admitted request takes the longest cached chain of
 full pages of ``prompt[:-1]`` short of its last token (whose hidden state the decoder
 needs, so it is always computed), computes from the first page it lacks, and publishes
@@ -23,6 +23,10 @@ each full page once the target's and the proposer's KV of it are complete; the p
 it took are in ``req.pages[:req.num_cached // page_size]`` and no forward announces
 them (:class:`PrefillHooks` is told of them at admission through ``req.num_cached``).
 An aborted or failed request withdraws what it alone published.
+
+With ``max_loras`` a request may name a LoRA adapter (:class:`~..lora.LoRARequest`): the
+target computes its KV under the adapter, as the decode engine continues it (the
+proposer's KV stays the base's, as the decode engine's proposer drafts from the base).
 
 >>> eng = PrefillEngine.from_config(EngineConfig("checkpoints/demo/target"))  # doctest: +SKIP
 >>> eng.add("r0", [1, 2, 3, 4])                                               # doctest: +SKIP
@@ -40,12 +44,13 @@ import torch
 
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
+from ..lora import LoRAPool, LoRARequest
 from ..models import load_model
 from .config import EngineConfig
 from .isolation import describe, isolate
 from .kv_pool import kv_page_pool, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
-from .prefix_caching import PrefixCacheStats, PrefixCaching
+from .prefix_caching import PrefixCacheStats, PrefixCaching, request_salt
 from .proposers import ProposerPrefill, load_proposer_model
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,8 @@ class PrefillRequest:
     token_ids: list[int]              # prompt[:-1]: the KV this prefill produces
     last_token: int | None = None     # prompt[-1]: the MTP head's last row reads it
     cache_salt: str | None = None     # prefixes are shared only under the same salt
+    lora: LoRARequest | None = None   # its adapter (None: the base model)
+    lora_slot: int = 0                # the adapter's slot while it holds it
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached: int = 0               # tokens whose KV came from the prefix cache (full pages)
@@ -97,13 +104,14 @@ class PrefillEngine:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  hooks: PrefillHooks | None = None,
                  proposer: tuple[str, ProposerPrefill] | None = None,
-                 prefix: PrefixCaching | None = None):
+                 prefix: PrefixCaching | None = None, lora_pool: LoRAPool | None = None):
         """``proposer``: (its KV name, the filler of its KV) with speculation;
-        ``prefix``: prefix caching on ``allocator`` (a :class:`CachingKVAllocator`)."""
+        ``prefix``: prefix caching on ``allocator`` (a :class:`CachingKVAllocator`);
+        ``lora_pool``: the adapter slots requests' adapters load into (None: no LoRA)."""
         self.model, self.pool, self.allocator = model, pool, allocator
-        self.prefix = prefix
+        self.prefix, self.lora_pool = prefix, lora_pool
         self.proposer_name, self.proposer = proposer or (None, None)
-        self.runner = ModelRunner(model, pool)
+        self.runner = ModelRunner(model, pool, lora_pool)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.hooks = hooks or PrefillHooks()
         self.waiting: deque[PrefillRequest] = deque()
@@ -127,15 +135,19 @@ class PrefillEngine:
         cached_pools = [pool] + ([proposer[1].pool] if proposer is not None else [])
         prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
                   if isinstance(allocator, CachingKVAllocator) else None)
+        lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
+                             dtype) if config.max_loras else None
         return cls(model, pool, allocator, config.max_num_batched_tokens,
-                   config.max_num_seqs, hooks, proposer, prefix)
+                   config.max_num_seqs, hooks, proposer, prefix, lora_pool)
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], last_token: int | None = None,
-            cache_salt: str | None = None) -> PrefillRequest:
+            cache_salt: str | None = None, lora: LoRARequest | None = None) -> PrefillRequest:
         """Prefill ``token_ids`` (a prompt without its last token, ``last_token``, which
         the MTP head's last row needs); ``cache_salt``: its cached prefixes are shared
-        only with requests of the same salt."""
+        only with requests of the same salt (and adapter); ``lora``: the adapter its KV
+        is computed under (its slot is taken now: an adapter that does not load, or a
+        full pool, raises before the request is queued)."""
         if not token_ids:
             raise ValueError("nothing to prefill: a one-token prompt goes straight to decode")
         if self._find(request_id) is not None:
@@ -146,10 +158,15 @@ class PrefillEngine:
                              f"prefill pool has {self.allocator.num_pages}")
         if last_token is None and self.proposer is not None and self.proposer.reads_next_token:
             raise ValueError("the MTP head's KV needs the prompt's last token (last_token)")
-        req = PrefillRequest(request_id, list(token_ids), last_token, cache_salt)
+        if lora is not None and self.lora_pool is None:
+            raise ValueError(f"request names LoRA adapter {lora.name!r} but LoRA is off "
+                             "(max_loras=0); allowed: no adapter, or max_loras >= 1")
+        req = PrefillRequest(request_id, list(token_ids), last_token, cache_salt, lora)
         if self.prefix is not None:
             known = req.token_ids + ([last_token] if last_token is not None else [])
-            req.page_keys = self.prefix.keys(known, cache_salt)
+            req.page_keys = self.prefix.keys(known, request_salt(cache_salt, lora))
+        if lora is not None:
+            req.lora_slot = self.lora_pool.acquire(lora)
         self.waiting.append(req)
         return req
 
@@ -211,7 +228,8 @@ class PrefillEngine:
     def _forward(self, chunks: list[tuple[PrefillRequest, int]]) -> list[PrefillRequest]:
         on_layer_done = self.hooks.before_forward(chunks)
         batch = ForwardBatch([r.token_ids[r.num_computed:end] for r, end in chunks],
-                             [r.num_computed for r, _ in chunks], [r.pages for r, _ in chunks])
+                             [r.num_computed for r, _ in chunks], [r.pages for r, _ in chunks],
+                             [r.lora_slot for r, _ in chunks] if self.lora_pool else None)
         inputs, hidden = self.runner.forward(batch, on_layer_done=on_layer_done)
         if self.proposer is not None:
             next_ids = ([_shifted(r, end) for r, end in chunks]
@@ -281,6 +299,9 @@ class PrefillEngine:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+        if req.lora_slot:
+            self.lora_pool.release(req.lora_slot)
+            req.lora_slot = 0
 
 
 def _shifted(req: PrefillRequest, end: int) -> list[int]:

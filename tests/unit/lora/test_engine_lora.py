@@ -141,3 +141,64 @@ def test_graphed_or_compiled_decode_is_bypassed_when_a_row_uses_an_adapter():
     adapted = ForwardBatch([[1], [2]], [3, 4], [[0], [1]], [0, 2])
     assert step.forward(base) == step.verify_forward(base, 1) == "graphed"
     assert step.forward(adapted) == step.verify_forward(adapted, 1) == "eager"
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_the_disaggregated_path_prefills_and_decodes_under_the_adapter(target_dir, adapters, specs, spec):
+    """Prefill engine -> KV copied page by page -> decode engine's add_prefilled: the
+    adapter's greedy tokens, and the same prefix-cache keys on both sides."""
+    from tandem.backends.engine import EngineConfig, LLMEngine
+    from tandem.backends.engine.prefill_engine import PrefillEngine
+    config = dict(dtype="float32", page_size=4, max_loras=2, max_lora_rank=8, speculative=specs[spec])
+    prefill = PrefillEngine.from_config(EngineConfig(str(target_dir), **config))
+    decoder = LLMEngine(EngineConfig(str(target_dir), **config))
+    ps, loras = prompts(3, seed=5), [adapters["all"], None, adapters["mlp"]]
+    for i, (p, lr) in enumerate(zip(ps, loras)):
+        prefill.add(f"p{i}", p[:-1], last_token=p[-1], lora=lr)
+    done = {}
+    while prefill.has_work():
+        done.update((r.request_id, r) for r in prefill.step())
+    seqs = []
+    for i, (p, lr) in enumerate(zip(ps, loras)):
+        r = done[f"p{i}"]
+        pages = decoder.allocator.alloc(len(r.pages))
+        decoder.pool.kv[:, pages] = prefill.pool.kv[:, r.pages]
+        if spec is not None:
+            decoder.proposer.runner.pool.kv[:, pages] = prefill.proposer.pool.kv[:, r.pages]
+        seq = decoder.make_sequence(p, GREEDY, lora=lr)
+        decoder.add_prefilled(seq, pages)
+        seqs.append((seq, list(r.page_keys)))
+        prefill.release(f"p{i}")
+    assert not prefill.lora_pool.slots[1].refs and not prefill.lora_pool.slots[2].refs
+    while decoder.has_unfinished():
+        decoder.step()
+    for (seq, keys), p, lr in zip(seqs, ps, loras):
+        assert seq.output_ids == reference(target_dir, lr, [p])[0]
+        n = min(len(keys), len(seq.page_keys))
+        assert n and seq.page_keys[:n] == keys[:n]
+
+
+def test_the_async_engine_fails_only_the_request_a_full_pool_refuses(target_dir, adapters):
+    import threading
+    from tandem.backends.engine.async_engine import AsyncEngine
+    eng = AsyncEngine(str(target_dir), dtype="float32", max_loras=1, max_lora_rank=8)
+    outs: dict[str, list] = {}
+    done = threading.Semaphore(0)
+
+    def on_output(out):
+        outs.setdefault(out.request_id, []).append(out)
+        if out.finished:
+            done.release()
+    p = prompts(1)[0]
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = eng.submit(p, long, on_output, lora=adapters["attention"])
+    refused = eng.submit(p, GREEDY, on_output, lora=adapters["mlp"])
+    eng.start()
+    try:
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        eng.shutdown()
+    assert outs[refused][-1].finish_reason == "error"
+    assert "all 1 adapter slots are held" in outs[refused][-1].error
+    tokens = [t for o in outs[first] for t in o.new_token_ids]
+    assert outs[first][-1].finish_reason == "length" and len(tokens) == 40
