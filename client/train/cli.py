@@ -9,6 +9,10 @@
         --mtp mtp=checkpoints/demo/mtp
     tandem train distill-data --target checkpoints/demo/target --out .cache/train/distill
         (tandem.client.train.distill)
+    tandem train lora-data --target smollm2-135m-instruct --chat-prompts configs/chat_prompts.json \
+        --out .cache/train/smollm2/lora-data
+    tandem train lora --target smollm2-135m-instruct --data .cache/train/smollm2/lora-data \
+        --config configs/lora_shout.json --out checkpoints/smollm2/lora-shout   (tandem.client.train.lora)
 
 The CLI (``tandem.client.cli``) registers this module with ``add_parser(subparsers)``.
 """
@@ -18,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.client.train import distill, mtp
+from tandem.client.train import distill, lora, mtp
 from tandem.client.train.run import add_run_options, start_run
 
 
@@ -51,6 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     mtp.add_subcommands(sub)   # mtp, mtp-eval, token-frequencies
     distill.add_subcommands(sub)   # distill-data
+    lora.add_subcommands(sub)   # lora-data, lora
     return p
 
 
