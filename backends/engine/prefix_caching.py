@@ -70,13 +70,13 @@ def key_lookahead(spec) -> int:
 
 
 def prompt_page_keys(prompt: list[int], page_size: int, root: bytes, cache_salt: str | None,
-                     lookahead: int = 0) -> list[bytes]:
+                     lookahead: int = 0, lora: LoRARequest | None = None) -> list[bytes]:
     """The keys of a prompt's pages a cache can hold for it — its full pages short of the
     last token (whose logits start decoding) — for an engine whose :func:`model_root` is
-    ``root``: what that engine's cache keys them by."""
+    ``root``: what that engine's cache keys them by (``lora``: the request's adapter)."""
     n = (len(prompt) - 1) // page_size
-    return page_keys(prompt[:n * page_size + lookahead], page_size, root_key(root, cache_salt),
-                     lookahead=lookahead)
+    return page_keys(prompt[:n * page_size + lookahead], page_size,
+                     root_key(root, request_salt(cache_salt, lora)), lookahead=lookahead)
 
 
 def model_root(config: EngineConfig) -> bytes:

@@ -10,9 +10,11 @@ import torch
 
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.engine.model_runner import ForwardBatch
+from tandem.backends.engine.prefix_caching import model_root, prompt_page_keys
 from tandem.backends.engine.step_runner import StepRunner
 from tandem.backends.lora import LoRARequest
 
+from ..tiny_checkpoints import make_checkpoint
 from .adapters import TARGET_SETS, make_adapter, merged_greedy
 
 NEW_TOKENS = 16
@@ -58,6 +60,17 @@ def test_greedy_with_an_adapter_matches_peft_merged(target_dir, adapters, specs,
         assert llm.engine.spec_metrics.num_draft_tokens > 0     # the target verified drafts
 
 
+@pytest.mark.parametrize("arch", ["llama3_rope_tied", "qwen2", "qwen3"])
+def test_every_architecture_applies_all_seven_modules(arch, checkpoint_root):
+    """Tied embeddings, q/k/v biases (qwen2), q/k norms and a head_dim apart from
+    hidden / heads (qwen3): the adapter lands on the right slices of the fused layers."""
+    base = make_checkpoint(arch, checkpoint_root)
+    lora = LoRARequest("all7", 1, str(make_adapter(base, checkpoint_root / f"lora_all_{arch}", r=3, alpha=5)))
+    ps = prompts()
+    out = LLM(base, dtype="float32", max_loras=1, max_lora_rank=4).generate(ps, GREEDY, lora=lora)
+    assert [o.token_ids for o in out] == reference(base, lora, ps)
+
+
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(target_dir, adapters, specs, spec):
     ps = prompts(4, seed=7)
@@ -83,6 +96,11 @@ def test_the_prefix_cache_keys_pages_by_adapter(target_dir, adapters):
         return seq
 
     first = {name: run(adapters.get(name)) for name in (None, "attention", "mlp")}
+    # what kv_transfer asks the decode engine's cache for: the same keys
+    root = model_root(engine.config)
+    for name, seq in first.items():
+        want = prompt_page_keys(prompt, 8, root, None, lora=adapters.get(name))
+        assert seq.page_keys[:len(want)] == want
     assert all(s.num_cached_tokens == 0 for s in first.values())   # nobody reuses another's KV
     keys = [set(s.page_keys) for s in first.values()]
     assert all(len(k) >= 2 for k in keys)
