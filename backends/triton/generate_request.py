@@ -78,6 +78,11 @@ return_perf_metrics         BOOL    false        true: the KV cache, timing and 
                                                  outputs (TensorRT-LLM's) carry values
 cache_salt                  STRING  none         up to 256 characters: prompts share cached
                                                  KV only with the same salt
+lora_name                   STRING  none         a LoRA adapter the server serves
+                                                 (``--lora-modules``, /v1/load_lora_adapter)
+lora_task_id                UINT64  none         TensorRT-LLM's: the adapter with that id
+lora_weights, lora_config   FP32,   none         refused: load the adapter by name and
+                            INT32                send ``lora_task_id`` or ``lora_name``
 guided_decoding_guide_type  STRING  none         json, json_schema, regex or ebnf_grammar:
                                                  structured output (xgrammar)
 guided_decoding_guide       STRING  none         the schema, regex or EBNF grammar (not
@@ -152,6 +157,12 @@ SAMPLING_INPUTS = {
     "return_finish_reason": ("TYPE_BOOL", [1]),
     "return_perf_metrics": ("TYPE_BOOL", [1]),
     "cache_salt": ("TYPE_STRING", [1]),
+    # LoRA: an adapter the server serves, by name (Tandem's, the OpenAI model field) or by
+    # id (TensorRT-LLM's lora_task_id); TensorRT-LLM's weight tensors are refused
+    "lora_name": ("TYPE_STRING", [1]),
+    "lora_task_id": ("TYPE_UINT64", [1]),
+    "lora_weights": ("TYPE_FP32", [-1, -1]),
+    "lora_config": ("TYPE_INT32", [-1, 3]),
     # TensorRT-LLM's guided decoding (structured output)
     "guided_decoding_guide_type": ("TYPE_STRING", [1]),
     "guided_decoding_guide": ("TYPE_STRING", [1]),
@@ -207,6 +218,8 @@ class GenerateRequest:
     num_prompt_log_probs: int | None = None
     return_perf_metrics: bool = False
     cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_task_id: int | None = None
     guided_decoding: GuidedDecoding | None = None
     exclude_input_in_output: bool = False
 
@@ -372,6 +385,23 @@ def _token_bias(get: GetInput, vocab_size: int | None) -> dict[int, float]:
     return bias
 
 
+def _lora(get: GetInput) -> dict:
+    """``lora_name`` / ``lora_task_id`` (which adapter the engine model resolves in the
+    server's registry); TensorRT-LLM's adapter weights in the request are refused."""
+    for name in ("lora_weights", "lora_config"):
+        if get(name) is not None:
+            raise RequestError(name, "not supported: Tandem loads adapters from PEFT directories "
+                                     "(--lora-modules, /v1/load_lora_adapter); send lora_task_id or lora_name")
+    name = scalar(get, "lora_name")
+    name = None if name is None else as_text(name, "lora_name").strip() or None
+    task = scalar(get, "lora_task_id")
+    if name is not None and task is not None:
+        raise RequestError("lora_task_id", "send lora_name or lora_task_id, not both")
+    if name is not None and len(name) > 64:
+        raise RequestError("lora_name", f"has {len(name)} characters; allowed: an adapter name of up to 64")
+    return dict(lora_name=name, lora_task_id=None if task is None else int(task))
+
+
 def _cache_salt(get: GetInput) -> str | None:
     value = scalar(get, "cache_salt")
     if value is None:
@@ -489,6 +519,7 @@ def _sampling(get: GetInput, vocab_size: int | None) -> dict:
         num_prompt_log_probs=_prompt_log_probs(get),
         return_perf_metrics=flag(get, "return_perf_metrics", False),
         cache_salt=_cache_salt(get),
+        **_lora(get),
         guided_decoding=_guided_decoding(get),
     )
 

@@ -51,6 +51,7 @@ from ..kv_cache.pages import pages_needed
 from .disagg_common import KV_DESCRIPTOR, LOCAL, NO_TRANSFER, as_bytes_tensor, pool_spec
 from .generate_request import RequestError, as_request_error, check_guide, parse_token_request
 from .inputs import input_getter
+from .lora_requests import adapter_entry
 from .metrics import Poller, TransferMetrics
 from .per_request import PerRequestModel, error_response
 from .settings import EngineSettings, model_limits
@@ -64,6 +65,7 @@ class TritonPythonModel(PerRequestModel):
         name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.settings = s
+        self.adapters = None     # the server's LoRA adapter registry, when it serves adapters
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
         self.page_size = self.pool.spec.models[0].page_size
@@ -101,6 +103,7 @@ class TritonPythonModel(PerRequestModel):
             n = len(parsed.prompt)
             self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
             check_guide(parsed, self._compile_guide)   # before a page is reserved
+            adapter_entry(parsed, self.adapters)        # an adapter the server does not serve, too
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
         keys = self._cache_keys(parsed.prompt, parsed.cache_salt)

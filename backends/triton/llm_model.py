@@ -39,6 +39,7 @@ from .metrics import EngineMetrics, Poller
 from .perf_outputs import PERF_OUTPUT_NAMES
 from .postprocess import PROMPT_ECHO
 from .reply_pump import ReplyPump
+from .lora_requests import resolve_adapter
 from .response_arrays import ENGINE_OUTPUT_NAMES, PROMPT_OUTPUT_NAMES, TOP_OUTPUT_NAMES, string_array
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
@@ -74,6 +75,7 @@ class TritonPythonModel:
         s = self.settings
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
         self.model_version = version     # a key of the engine's prefix cache
+        self.adapters = None            # the server's LoRA adapter registry, when it serves adapters
         self.engine = self._make_engine(s)
         self.engine.on_fatal = self._engine_failed
         if self.engine.tokenizer is None:
@@ -134,6 +136,7 @@ class TritonPythonModel:
                 return
             parsed = parse_token_request(get, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
             echo = scalar(get, PROMPT_ECHO)
+            adapter = resolve_adapter(parsed, self.adapters)
         except RequestError as exc:
             _send_error(sender, str(exc))
             self.metrics.finish("rejected")

@@ -36,10 +36,12 @@ from .auth import ApiKeyMiddleware
 from .chat_template import ChatTemplate, ChatTemplateError
 from .ensemble_request import CACHED_OUTPUT, LOG_PROBS_OUTPUT, PROMPT_INPUT, TOP_INPUT, ensemble_inputs
 from .metrics import FrontendMetrics, MetricsMiddleware
-from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, Usage,
+from .protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRARequest, ModelCard, ModelList, OpenAIError,
+                       UnloadLoRARequest, Usage,
                        invalid, new_id, now)
 from .responses import (SSE_DONE, Choice, Event, chat_logprobs, completion_logprobs, error_event, first_events,
                         merged, sse)
+from .lora import LoRAServing
 from .tool_parsers import tool_parser
 from .tools import guide_errors_on_tools, template_messages
 from .triton_backend import RANKED_OUTPUTS, TritonBackend
@@ -89,17 +91,34 @@ class Frontend:
         self.request_timeout_s = request_timeout_s
         self.backend: TritonBackend | None = None
         self.tool_call_parser: str | None = None      # reads tool_choice "auto" answers
+        self.lora: LoRAServing | None = None          # the adapters, on a server that serves them
 
     def model(self, name: str) -> str:
-        if name not in self.models:
-            raise OpenAIError(404, f"The model {name!r} does not exist; this server serves: "
-                                   f"{', '.join(self.models)}", param="model", code="model_not_found")
-        return name
+        """The ensemble serving ``name``: a model, or the base of a LoRA adapter."""
+        if name in self.models:
+            return name
+        if self.adapter_of(name) is not None:
+            return self.models[0]
+        served = self.models + (self.lora.registry.names() if self.lora is not None else [])
+        raise OpenAIError(404, f"The model {name!r} does not exist; this server serves: "
+                               f"{', '.join(served)}", param="model", code="model_not_found")
+
+    def adapter_of(self, name: str) -> str | None:
+        """``name`` if it names a LoRA adapter this server serves."""
+        if self.lora is None or name in self.models:
+            return None
+        return name if self.lora.adapter(name) is not None else None
+
+    def cards(self) -> list[ModelCard]:
+        cards = [ModelCard(id=m) for m in self.models]
+        if self.lora is not None:
+            cards += [ModelCard(id=e.name, parent=self.models[0], root=e.path) for e in self.lora.registry.entries()]
+        return cards
 
 
 def create_app(triton_url: str, models: list[str], model_dir: str | Path | None = None,
                request_timeout_s: float = 600.0, api_key: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, lora: LoRAServing | None = None) -> FastAPI:
     """The ASGI app serving ``models`` (text ensembles of the tritonserver at gRPC
     ``triton_url``); ``model_dir`` is the checkpoint (its chat template and tokenizer);
     with ``api_key``, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (:mod:`.auth`);
@@ -107,6 +126,7 @@ def create_app(triton_url: str, models: list[str], model_dir: str | Path | None 
     fe = Frontend(triton_url, models, model_dir, request_timeout_s)
     tool_parser(tool_call_parser)      # an unknown name: ValueError before anything serves
     fe.tool_call_parser = tool_call_parser
+    fe.lora = lora
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -125,11 +145,22 @@ def create_app(triton_url: str, models: list[str], model_dir: str | Path | None 
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=m) for m in fe.models])
+        return ModelList(data=fe.cards())
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
-        return ModelCard(id=fe.model(model))
+        fe.model(model)      # a 404 for a name nothing serves
+        return next(c for c in fe.cards() if c.id == model)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest) -> Response:
+        entry = _lora(fe).load(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{entry.name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
+        entry = _lora(fe).unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{entry.name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,6 +180,13 @@ def create_app(triton_url: str, models: list[str], model_dir: str | Path | None 
         return await _chat(fe, body, request)
 
     return app
+
+
+def _lora(fe: Frontend) -> LoRAServing:
+    if fe.lora is None:
+        raise invalid("lora_name", "this server serves no LoRA adapters; start it with --max-loras N "
+                                   "(and --lora-modules name=DIR,...)")
+    return fe.lora
 
 
 # ---- completions ----------------------------------------------------------------------------------
@@ -305,7 +343,8 @@ async def _inputs(fe: Frontend, model: str, body, prompts: list[tuple[str, int]]
         raise invalid("logprobs", f"not supported by this server: ensemble {model!r} has no output "
                                   f"{LOG_PROBS_OUTPUT!r}")
     return [ensemble_inputs(body, p, iface.inputs, index=j, max_tokens=max_tokens, stream=True,
-                            logprobs=logprobs, model=model) for p, j in prompts]
+                            logprobs=logprobs, model=model, lora_name=fe.adapter_of(body.model))
+            for p, j in prompts]
 
 
 async def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> AsyncIterator[Event]:

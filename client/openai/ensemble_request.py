@@ -42,6 +42,7 @@ OPTIONAL_FIELDS = {
 LOG_PROBS_INPUT, LOG_PROBS_OUTPUT = "return_log_probs", "output_log_probs"
 TOP_INPUT, PROMPT_INPUT = "num_top_log_probs", "num_prompt_log_probs"
 BIAS_INPUTS = ("logit_bias_token_ids", "logit_bias_values")
+LORA_INPUT = "lora_name"
 CACHE_SALT_INPUT, CACHED_OUTPUT = "cache_salt", "num_cached_tokens"
 SEED_MOD = 2 ** 64
 # the field an ensemble error names ("in ensemble 'tandem', max_tokens: got 0; ..."), as OpenAI names it
@@ -61,7 +62,7 @@ def one(value, dtype) -> np.ndarray:
 
 def ensemble_inputs(req: _Request, prompt: str | list[int], declared: frozenset[str] | set[str], *, index: int,
                     max_tokens: int, stream: bool = False, logprobs: bool = False,
-                    model: str = "tandem") -> dict[str, np.ndarray]:
+                    model: str = "tandem", lora_name: str | None = None) -> dict[str, np.ndarray]:
     """The input tensors of choice ``index`` of ``req`` for ``prompt`` (text, or token ids
     for a tokens ensemble's ``input_ids``); raises :class:`OpenAIError` (400) for a field
     the ensemble (inputs ``declared``) cannot take."""
@@ -116,6 +117,11 @@ def ensemble_inputs(req: _Request, prompt: str | list[int], declared: frozenset[
     if req.num_prompt_logprobs() is not None:
         require(PROMPT_INPUT, "prompt_logprobs")
         arrays[PROMPT_INPUT] = one(req.num_prompt_logprobs(), np.int32)
+    if lora_name is not None:
+        if LORA_INPUT not in declared:
+            raise invalid("model", f"{lora_name!r} is a LoRA adapter, but ensemble {model!r} declares no input "
+                                   f"{LORA_INPUT!r}")
+        arrays[LORA_INPUT] = one(lora_name.encode("utf-8"), np.object_)
     bias = req.token_bias()
     if bias:
         require(BIAS_INPUTS[0], "logit_bias")

@@ -421,6 +421,19 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "tandem"
+    root: str | None = None       # a LoRA adapter's directory (vLLM's)
+    parent: str | None = None     # a LoRA adapter's base model (vLLM's)
+
+
+class LoadLoRARequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's)."""
+    lora_name: str = Field(min_length=1)
 
 
 class ModelList(BaseModel):

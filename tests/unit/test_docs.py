@@ -17,7 +17,7 @@ from tandem.backends.triton.response_arrays import TOKEN_OUTPUT_NAMES
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = ROOT / "docs" / "SERVING.md"
 ENSEMBLES = ("tandem", "tandem_tokens", "tandem_colocated")
-SHAPES = {"[1, 1]": [1], "[1, N]": [-1]}   # the table's request shape -> config dims
+SHAPES = {"[1, 1]": [1], "[1, N]": [-1], "[1, N, D]": [-1, -1], "[1, N, 3]": [-1, 3]}   # the table's request shape -> config dims
 
 
 # -- markdown, just enough of it ------------------------------------------------------

@@ -44,7 +44,7 @@ def arrays(**extra):
             out[k] = np.array([list(v)], dtype=np.int32).reshape(1, len(v))
         elif k == "stop":
             out[k] = np.array([[v]], dtype=np.bool_)
-        elif k in ("text_input", "text_output", "finish_reason", "cancel_token", "prompt_echo"):
+        elif k in ("text_input", "text_output", "finish_reason", "cancel_token", "prompt_echo", "lora_name"):
             out[k] = np.array([[v if isinstance(v, bytes) else v.encode()]], dtype=object)
         elif k in ("num_input_tokens", "num_output_tokens"):
             out[k] = np.array([[v]], dtype=np.uint32)

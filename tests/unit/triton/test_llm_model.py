@@ -303,3 +303,12 @@ def test_finalize_ends_open_streams_and_stops_the_engine(model_cls, ckpt_dir):
     assert engine.stopped and engine.aborted == ["req-0"]
     response, flags = request.sender.sent[-1]
     assert flags & FINAL and response.error.code() == TritonError.UNAVAILABLE
+
+
+def test_an_adapter_on_a_server_without_adapters_is_refused_before_the_engine(model):
+    engine = FakeEngine.instances[-1]
+    before = len(engine.submitted)
+    request = token_request(lora_name="sql")
+    model.execute([request])
+    assert "lora_name: got 'sql', but this server serves no LoRA adapters" in the_error(request.sender).message()
+    assert len(engine.submitted) == before
