@@ -11,6 +11,7 @@ from concurrent.futures import wait
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..lora import LoRAPool, LoRARequest
+from ..lora.pool import lora_dtype
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
 from ..speculative.adaptive import SpecController
@@ -68,7 +69,8 @@ class LLMEngine:
         k = self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         # adapters apply to the target only: a proposer drafts from the base, the target
         # verifies with the request's adapter, so speculation stays lossless
-        self.lora_pool = LoRAPool(cfg, config.max_loras, config.max_lora_rank, config.device, dtype) \
+        self.lora_pool = LoRAPool(cfg, config.max_loras, config.max_lora_rank, config.device,
+                                  lora_dtype(config.device, dtype)) \
             if config.max_loras else None
         # the target's runner first: it packs the target's lm_head, which an MTP head shares
         self.runner = ModelRunner(self.model, self.pool, self.lora_pool)

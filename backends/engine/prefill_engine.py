@@ -45,6 +45,7 @@ import torch
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..lora import LoRAPool, LoRARequest
+from ..lora.pool import lora_dtype
 from ..models import load_model
 from .config import EngineConfig
 from .isolation import describe, isolate
@@ -136,7 +137,7 @@ class PrefillEngine:
         prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
                   if isinstance(allocator, CachingKVAllocator) else None)
         lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
-                             dtype) if config.max_loras else None
+                             lora_dtype(config.device, dtype)) if config.max_loras else None
         return cls(model, pool, allocator, config.max_num_batched_tokens,
                    config.max_num_seqs, hooks, proposer, prefix, lora_pool)
 

@@ -11,20 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import Segment, lora_delta_segmented, lora_segments
-from .pool import LoRAPool
+from .ops import Segments, lora_delta_segmented, lora_segments
+from .pool import GROUPS, LoRAPool
 
 
 @dataclass(slots=True)
 class LoRABatch:
     pool: LoRAPool
-    segments: list[Segment]     # (slot, rows) of each adapter present
+    segments: Segments          # the adapter rows, grouped by slot
+    # per module group, the rows of the slots whose adapter changes it (None: no such slot)
+    by_group: dict[str, Segments | None]
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base output of ``group`` at ``layer`` for inputs ``x``) plus each
         row's adapter delta, in place."""
-        segments = [s for s in self.segments if group in self.pool.groups(s[0])]
-        if segments:
+        segments = self.by_group[group]
+        if segments is not None:
             A, B = self.pool.weights(layer, group)
             lora_delta_segmented(x, A, B, segments, out=y)
         return y
@@ -37,6 +39,9 @@ def plan_lora(pool: LoRAPool | None, seq_slots: list[int] | None,
     if pool is None or not seq_slots or not any(seq_slots):
         return None
     rows = [s for s, n in zip(seq_slots, qo_lens) for _ in range(n)]
-    device = pool.A["qkv"][0].device
-    return LoRABatch(pool, [(s, r if isinstance(r, slice) else r.to(device))
-                            for s, r in lora_segments(rows)])
+    segments = lora_segments(rows, pool.device)
+    by_group = {}
+    for group in GROUPS:
+        kept = segments.only(lambda slot: group in pool.groups(slot))
+        by_group[group] = kept if kept.groups else None
+    return LoRABatch(pool, segments, by_group)

@@ -10,8 +10,9 @@ adds nothing). Two ways to compute it:
   runs over all rows (punica's BGMV shape; no grouping, but it reads ``rows x in x rank``
   gathered weights).
 - :func:`lora_delta_segmented`: rows grouped by slot (:func:`lora_segments`, once per
-  step), one matmul pair per adapter present (punica's SGMV shape; the rows of a
-  sequence are contiguous, so a group is usually one slice).
+  step), one matmul pair per adapter present (punica's SGMV shape): the adapter rows are
+  gathered once into slot order and the deltas scattered back once (no copy at all when
+  they are in order already, as one sequence's prefill is).
 
 Measured here (``python -m tandem.backends.lora.bench [--dtype bfloat16]``: one thread
 of a 2-core AMD EPYC with AVX512-BF16, cores shared with other work; in=576, out=1536,
@@ -37,10 +38,10 @@ of a fused GPU kernel (and for tests).
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Callable
 
-# (slot, rows): a slice when the slot's rows are contiguous, else an index tensor
-Segment = tuple[int, "slice | torch.Tensor"]
+import torch
 
 
 def lora_delta_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
@@ -64,34 +65,70 @@ def lora_delta_gathered(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots
     return torch.bmm(xa.unsqueeze(1), B[slots]).squeeze(1)            # [N, out]
 
 
-def lora_segments(slots: list[int]) -> list[Segment]:
-    """The rows of each adapter slot present (slot 0 left out), for
-    :func:`lora_delta_segmented`: computed once per step, used by every layer.
+@dataclass(slots=True)
+class Segments:
+    """A step's adapter rows grouped by slot, for :func:`lora_delta_segmented`: ``rows``
+    picks them out of the batch in slot order (a slice when they are contiguous and in
+    order already, e.g. one sequence's prefill), ``groups`` gives each slot's range of
+    them. Computed once per step, used by every layer."""
+    rows: slice | torch.Tensor
+    groups: list[tuple[int, slice]]
+    num_rows: int
 
-    >>> lora_segments([0, 2, 2, 1, 2])
-    [(2, tensor([1, 2, 4])), (1, slice(3, 4, None))]
+    def only(self, keep: Callable[[int], bool]) -> "Segments":
+        """The same rows, with the groups of the slots ``keep`` rejects left out."""
+        return Segments(self.rows, [g for g in self.groups if keep(g[0])], self.num_rows)
+
+
+def lora_segments(slots: list[int], device: torch.device | str = "cpu") -> Segments | None:
+    """Group the rows of each adapter slot present (slot 0 left out); None: no adapter row.
+
+    >>> seg = lora_segments([0, 2, 2, 1, 2])
+    >>> seg.rows.tolist(), seg.groups
+    ([3, 1, 2, 4], [(1, slice(0, 1, None)), (2, slice(1, 4, None))])
+    >>> lora_segments([0, 1, 1, 2]).rows
+    slice(1, 4, None)
     """
-    rows: dict[int, list[int]] = {}
-    for i, s in enumerate(slots):
-        if s:
-            rows.setdefault(s, []).append(i)
-    return [(s, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else torch.tensor(r))
-            for s, r in rows.items()]
+    order = sorted((s, i) for i, s in enumerate(slots) if s)
+    if not order:
+        return None
+    groups: list[tuple[int, slice]] = []
+    for j, (s, _) in enumerate(order):
+        if groups and groups[-1][0] == s:
+            groups[-1] = (s, slice(groups[-1][1].start, j + 1))
+        else:
+            groups.append((s, slice(j, j + 1)))
+    rows = [i for _, i in order]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return Segments(slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device),
+                    groups, len(rows))
 
 
-def lora_delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                         segments: list[Segment], scales: torch.Tensor | None = None,
+def lora_delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segments: Segments | None,
+                         scales: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[N, out]``: one ``(x @ A[s]) @ B[s]`` per adapter slot present, over its rows;
-    added into ``out`` when given (the base output, so no zero delta is materialised)."""
+    """``[N, out]``: one ``(x @ A[s]) @ B[s]`` per adapter slot present, over its rows
+    (gathered once into slot order, scattered back once); added into ``out`` when given
+    (the base output, so no zero delta is materialised). Computed in A's dtype (the
+    pool may hold fp32 weights for a bf16 model), added in ``out``'s."""
     if out is None:
         out = x.new_zeros(x.shape[0], B.shape[-1])
-    for s, rows in segments:
-        delta = (x[rows] @ A[s]) @ B[s]
+    if segments is None or not segments.groups:
+        return out
+    xs = x[segments.rows].to(A.dtype)
+    g = segments.groups
+    if len(g) == 1 and g[0][1] == slice(0, segments.num_rows):
+        delta = (xs @ A[g[0][0]]) @ B[g[0][0]]
         if scales is not None:
-            delta = delta * scales[s]
-        if isinstance(rows, slice):
-            out[rows] += delta
-        else:
-            out.index_add_(0, rows.to(out.device), delta)
+            delta = delta * scales[g[0][0]]
+    else:
+        delta = xs.new_zeros(segments.num_rows, B.shape[-1])
+        for s, r in g:
+            delta[r] = (xs[r] @ A[s]) @ B[s]
+            if scales is not None:
+                delta[r] *= scales[s]
+    if isinstance(segments.rows, slice):
+        out[segments.rows] += delta.to(out.dtype)
+    else:
+        out.index_add_(0, segments.rows, delta.to(out.dtype))
     return out

@@ -70,8 +70,21 @@ def test_padding_past_an_adapters_rank_adds_nothing():
                                lora_delta_reference(x, A, B, torch.tensor([1, 1, 1])))
 
 
-def test_segments_group_rows_by_slot():
+def test_segments_group_rows_by_slot_and_copy_nothing_when_in_order():
     segs = lora_segments([0, 2, 2, 1, 2, 0])
-    assert [s for s, _ in segs] == [2, 1]
-    assert segs[0][1].tolist() == [1, 2, 4] and segs[1][1] == slice(3, 4)
-    assert lora_segments([0, 0]) == []
+    assert segs.rows.tolist() == [3, 1, 2, 4]
+    assert segs.groups == [(1, slice(0, 1)), (2, slice(1, 4))]
+    assert lora_segments([0, 3, 3, 3, 5, 0]).rows == slice(1, 5)
+    assert lora_segments([0, 0]) is None
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_bf16_model_gets_the_delta_of_its_inputs_in_the_pools_dtype(compute):
+    A, B, _ = make_slots([3, 5], 16, 12, max_rank=8)
+    A, B = A.to(compute), B.to(compute)
+    x, y = torch.randn(5, 16).bfloat16(), torch.randn(5, 12).bfloat16()
+    slots = [2, 0, 1, 2, 1]
+    got = lora_delta_segmented(x, A, B, lora_segments(slots), out=y.clone())
+    assert got.dtype == torch.bfloat16
+    want = y.float() + lora_delta_reference(x.to(compute).float(), A.float(), B.float(), torch.tensor(slots))
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
