@@ -36,7 +36,12 @@ class LLM:
     def __init__(self, model_dir: str, **engine_args):
         """``engine_args``: :class:`EngineConfig`'s fields (dtype, page_size, kv_layout,
         num_pages, max_num_seqs, max_num_batched_tokens, max_model_len, device,
-        speculative), with its defaults."""
+        speculative, max_loras, max_lora_rank), with its defaults.
+
+        >>> from tandem.backends.lora import LoRARequest
+        >>> llm = LLM("checkpoints/demo/target", max_loras=2)                  # doctest: +SKIP
+        >>> llm.generate(["def f("], lora=LoRARequest("sql", 1, "adapters/sql"))  # doctest: +SKIP
+        """
         self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args))
 
     @property

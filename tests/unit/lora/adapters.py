@@ -13,7 +13,7 @@ TARGET_SETS = {"attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}
 
 
 def make_adapter(base_dir: Path, out: Path, targets=ATTENTION + MLP, r: int = 4, alpha: float = 8,
-                 use_rslora: bool = False, seed: int = 0, std: float = 0.2) -> Path:
+                 use_rslora: bool = False, seed: int = 0, std: float = 0.2, **options) -> Path:
     """A PEFT adapter of ``base_dir`` saved under ``out``, with random A and B (PEFT
     starts B at zero, which would make every adapter the base model)."""
     if (out / "adapter_config.json").exists():
@@ -23,7 +23,7 @@ def make_adapter(base_dir: Path, out: Path, targets=ATTENTION + MLP, r: int = 4,
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                                            use_rslora=use_rslora, lora_dropout=0.0))
+                                            use_rslora=use_rslora, lora_dropout=0.0, **options))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_" in name:

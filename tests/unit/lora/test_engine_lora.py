@@ -71,6 +71,14 @@ def test_every_architecture_applies_all_seven_modules(arch, checkpoint_root):
     assert [o.token_ids for o in out] == reference(base, lora, ps)
 
 
+def test_an_adapter_of_some_layers_leaves_the_others_alone(target_dir, checkpoint_root):
+    lora = LoRARequest("layer1", 1, str(make_adapter(target_dir, checkpoint_root / "lora_layer1",
+                                                    layers_to_transform=[1], r=4, seed=9)))
+    ps = prompts()
+    out = LLM(target_dir, dtype="float32", max_loras=1, max_lora_rank=4).generate(ps, GREEDY, lora=lora)
+    assert [o.token_ids for o in out] == reference(target_dir, lora, ps)
+
+
 @pytest.mark.parametrize("spec", [None, "mtp"])
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(target_dir, adapters, specs, spec):
     ps = prompts(4, seed=7)
