@@ -79,6 +79,12 @@ class AsyncEngine:
         return None if prefix is None else PrefixCacheStats.of(prefix)
 
     @property
+    def lora(self):
+        """The LoRA adapter pool's counters (a ``LoRAStats``); None when LoRA is off."""
+        pool = self.engine.lora_pool
+        return None if pool is None else pool.stats()
+
+    @property
     def allocator(self):
         """The engine's KV allocator (a transfer ticket hands claimed pages to it)."""
         return self.engine.allocator

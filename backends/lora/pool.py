@@ -35,6 +35,17 @@ GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o"
                                       "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+@dataclass(slots=True, frozen=True)
+class LoRAStats:
+    """The pool's counters since start, for metrics: the adapters in slots now (name ->
+    running requests holding it), requests admitted per adapter, loads and evictions."""
+    loaded: dict[str, int]
+    requests: dict[str, int]
+    loads: int
+    evictions: int
+    max_loras: int
+
+
 @dataclass(slots=True)
 class Slot:
     name: str
@@ -75,6 +86,7 @@ class LoRAPool:
         self.by_name: dict[str, int] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()    # loaded, unheld: LRU first
         self.loads = self.evictions = 0
+        self.requests: dict[str, int] = {}      # acquisitions per adapter name, since start
 
     # -- slots ------------------------------------------------------------------------
     def acquire(self, lora: LoRARequest) -> int:
@@ -90,6 +102,7 @@ class LoRAPool:
             self.load(slot, adapter, str(Path(lora.path)))
         self.slots[slot].refs += 1
         self.idle.pop(slot, None)
+        self.requests[lora.name] = self.requests.get(lora.name, 0) + 1
         return slot
 
     def release(self, slot: int) -> None:
@@ -112,6 +125,10 @@ class LoRAPool:
         del self.by_name[self.slots.pop(slot).name]
         self.evictions += 1
         return slot
+
+    def stats(self) -> LoRAStats:
+        return LoRAStats({s.name: s.refs for s in self.slots.values()}, dict(self.requests),
+                         self.loads, self.evictions, self.max_loras)
 
     def groups(self, slot: int) -> frozenset[str]:
         return self.slots[slot].groups if slot else frozenset()

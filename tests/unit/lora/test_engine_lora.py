@@ -224,6 +224,7 @@ def test_the_async_engine_fails_only_the_request_a_full_pool_refuses(target_dir,
         assert done.acquire(timeout=60) and done.acquire(timeout=60)
     finally:
         eng.shutdown()
+    assert eng.lora.loaded == {"attention": 0} and eng.lora.requests == {"attention": 1}
     assert outs[refused][-1].finish_reason == "error"
     assert "all 1 adapter slots are held" in outs[refused][-1].error
     tokens = [t for o in outs[first] for t in o.new_token_ids]
