@@ -42,6 +42,7 @@ def plan_lora(pool: LoRAPool | None, seq_slots: list[int] | None,
     segments = lora_segments(rows, pool.device)
     by_group = {}
     for group in GROUPS:
-        kept = segments.only(lambda slot: group in pool.groups(slot))
+        kept = segments.only(lambda slot: group in pool.groups(slot),
+                             {slot: pool.width(slot, group) for slot, _ in segments.groups})
         by_group[group] = kept if kept.groups else None
     return LoRABatch(pool, segments, by_group)

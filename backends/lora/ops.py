@@ -74,10 +74,14 @@ class Segments:
     rows: slice | torch.Tensor
     groups: list[tuple[int, slice]]
     num_rows: int
+    # the rank columns each slot's adapter fills (None: all of them); a rank-8 adapter in
+    # a pool of max rank 16 computes over 8
+    widths: dict[int, int] | None = None
 
-    def only(self, keep: Callable[[int], bool]) -> "Segments":
-        """The same rows, with the groups of the slots ``keep`` rejects left out."""
-        return Segments(self.rows, [g for g in self.groups if keep(g[0])], self.num_rows)
+    def only(self, keep: Callable[[int], bool], widths: dict[int, int] | None = None) -> "Segments":
+        """The same rows, with the groups of the slots ``keep`` rejects left out (and
+        ``widths`` for the rest)."""
+        return Segments(self.rows, [g for g in self.groups if keep(g[0])], self.num_rows, widths)
 
 
 def lora_segments(slots: list[int], device: torch.device | str = "cpu") -> Segments | None:
@@ -116,17 +120,19 @@ def lora_delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segm
     if segments is None or not segments.groups:
         return out
     xs = x[segments.rows].to(A.dtype)
-    g = segments.groups
+    g, widths = segments.groups, segments.widths
+
+    def one(s: int, xr: torch.Tensor) -> torch.Tensor:
+        w = A.shape[-1] if widths is None else widths[s]
+        d = (xr @ A[s, :, :w]) @ B[s, :w]
+        return d if scales is None else d * scales[s]
+
     if len(g) == 1 and g[0][1] == slice(0, segments.num_rows):
-        delta = (xs @ A[g[0][0]]) @ B[g[0][0]]
-        if scales is not None:
-            delta = delta * scales[g[0][0]]
+        delta = one(g[0][0], xs)
     else:
         delta = xs.new_zeros(segments.num_rows, B.shape[-1])
         for s, r in g:
-            delta[r] = (xs[r] @ A[s]) @ B[s]
-            if scales is not None:
-                delta[r] *= scales[s]
+            delta[r] = one(s, xs[r])
     if isinstance(segments.rows, slice):
         out[segments.rows] += delta.to(out.dtype)
     else:

@@ -5,8 +5,9 @@ The model fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`
 the pool does too: a group's A is ``[slots, in, parts * max_rank]`` (each part's A side
 by side) and its B ``[slots, parts * max_rank, out]`` block-diagonal (part ``j``'s B
 maps its rank block onto its output columns), so one matmul pair gives the delta of the
-fused output. Each adapter is padded to ``max_rank`` with zeros and its scaling is folded
-into B at load. Slot 0 stays zero: "no adapter".
+fused output. An adapter of rank ``r`` fills the first ``parts * r`` columns (its
+:meth:`LoRAPool.width`, what the deltas compute over), the rest stay zero; its scaling
+is folded into B at load. Slot 0 stays zero: "no adapter".
 
 Slots are taken by name: a request acquires its adapter's slot (loading it into a free
 one, or into the least recently used one no running request holds) and releases it when
@@ -51,6 +52,7 @@ class Slot:
     name: str
     path: str
     groups: frozenset[str]      # the module groups the adapter changes
+    rank: int
     refs: int = 0               # running requests holding it
 
 
@@ -130,6 +132,10 @@ class LoRAPool:
         return LoRAStats({s.name: s.refs for s in self.slots.values()}, dict(self.requests),
                          self.loads, self.evictions, self.max_loras)
 
+    def width(self, slot: int, group: str) -> int:
+        """The columns of ``group``'s A (rows of its B) that ``slot``'s adapter fills."""
+        return len(GROUPS[group]) * self.slots[slot].rank
+
     def groups(self, slot: int) -> frozenset[str]:
         return self.slots[slot].groups if slot else frozenset()
 
@@ -147,12 +153,12 @@ class LoRAPool:
                     out = shapes[m][1]
                     ab = adapter.weights.get((layer, m))
                     if ab is not None:
-                        rows = slice(j * self.max_rank, j * self.max_rank + r)
+                        rows = slice(j * r, (j + 1) * r)
                         A[:, rows] = ab[0].T.to(A.dtype)
                         B[rows, col:col + out] = (ab[1].T.double() * adapter.scaling).to(B.dtype)
                     col += out
         groups = frozenset(g for g, ms in GROUPS.items() if adapter.target_modules & set(ms))
-        self.slots[slot] = Slot(adapter.name, path, groups)
+        self.slots[slot] = Slot(adapter.name, path, groups, r)
         self.by_name[adapter.name] = slot
         self.loads += 1
 

@@ -168,6 +168,7 @@ def test_full_pool_evicts_the_least_recently_released_and_refuses_when_all_are_h
     torch.testing.assert_close((A[s1] @ B[s1])[:, -cfg.kv_size:], a2.scaling * (Bv @ Av).T)
     assert not (A[s1] @ B[s1])[:, :-cfg.kv_size].any()
     assert pool.groups(s1) == {"qkv"}
+    assert pool.width(s1, "qkv") == 3 * 2 and pool.width(s1, "gate_up") == 2 * 2
     stats = pool.stats()
     assert stats.loaded == {"a0": 0, "a2": 1} and stats.requests == {"a0": 2, "a1": 1, "a2": 1}
     assert (stats.loads, stats.evictions, stats.max_loras) == (3, 1, 2)

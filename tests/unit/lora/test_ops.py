@@ -88,3 +88,16 @@ def test_a_bf16_model_gets_the_delta_of_its_inputs_in_the_pools_dtype(compute):
     assert got.dtype == torch.bfloat16
     want = y.float() + lora_delta_reference(x.to(compute).float(), A.float(), B.float(), torch.tensor(slots))
     torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+
+
+def test_each_slot_computes_over_its_own_rank_only():
+    """A slot's ``width`` bounds the columns it reads: what lies past it is never used."""
+    ranks = [2, 5, 8]
+    A, B, _ = make_slots(ranks, 12, 10, max_rank=8)
+    slots = [3, 1, 0, 2, 1, 3]
+    x = torch.randn(6, 12)
+    want = lora_delta_reference(x, A, B, torch.tensor(slots))
+    A[1, :, 2:], B[2, 5:] = 7.0, 7.0          # junk past slot 1's and slot 2's ranks
+    segs = lora_segments(slots)
+    segs.widths = {1: 2, 2: 5, 3: 8}
+    torch.testing.assert_close(lora_delta_segmented(x, A, B, segs), want)
