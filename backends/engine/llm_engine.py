@@ -136,6 +136,20 @@ class LLMEngine:
         seq.lora = lora
         return seq
 
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter before any request names it (checked as a request's adapter is)."""
+        self._lora_pool(lora.name).preload(lora)
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop an adapter no running request holds (False: not loaded)."""
+        return self._lora_pool(name).unload(name)
+
+    def _lora_pool(self, name: str) -> LoRAPool:
+        if self.lora_pool is None:
+            raise ValueError(f"LoRA adapter {name!r}: LoRA is off (max_loras=0); allowed: an "
+                             "engine with max_loras >= 1")
+        return self.lora_pool
+
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; with an adapter, its slot is taken now (loaded if it is not):
         an adapter that does not load, or a full pool, raises before anything changed."""

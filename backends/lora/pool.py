@@ -107,6 +107,27 @@ class LoRAPool:
         self.requests[lora.name] = self.requests.get(lora.name, 0) + 1
         return slot
 
+    def preload(self, lora: LoRARequest) -> int:
+        """Load ``lora`` now (vLLM's ``/v1/load_lora_adapter``) without a request holding
+        it: it stays until evicted or unloaded."""
+        slot = self.acquire(lora)
+        self.release(slot)
+        self.requests[lora.name] -= 1       # a load, not a request
+        return slot
+
+    def unload(self, name: str) -> bool:
+        """Drop adapter ``name`` from its slot (False: it is not loaded); an adapter that
+        running requests hold stays, and this raises."""
+        slot = self.by_name.get(name)
+        if slot is None:
+            return False
+        if self.slots[slot].refs:
+            raise ValueError(f"LoRA adapter {name!r} is held by {self.slots[slot].refs} running "
+                             "request(s); unload it when they finish")
+        del self.by_name[name], self.slots[slot]
+        self.idle.pop(slot, None)
+        return True
+
     def release(self, slot: int) -> None:
         """A request holding ``slot`` finished: unheld, it becomes evictable (LRU)."""
         s = self.slots[slot]

@@ -183,3 +183,18 @@ def test_a_bad_adapter_evicts_nothing_and_one_name_is_one_adapter(base, good, cf
     assert pool.by_name == {"small": 1} and pool.evictions == 0
     with pytest.raises(ValueError, match="one name, one adapter"):
         pool.acquire(LoRARequest("small", 1, str(good)))
+
+
+def test_preload_and_unload(good, cfg):
+    pool = LoRAPool(cfg, max_loras=1, max_rank=4)
+    lora = LoRARequest("good", 1, str(good))
+    slot = pool.preload(lora)
+    assert pool.stats().loaded == {"good": 0} and pool.stats().requests == {"good": 0}
+    held = pool.acquire(lora)
+    assert held == slot and pool.loads == 1          # preloaded: no second read
+    with pytest.raises(ValueError, match="held by 1 running request"):
+        pool.unload("good")
+    pool.release(held)
+    assert pool.unload("good") and not pool.unload("good")
+    assert pool.stats().loaded == {} and not pool.idle
+    assert pool.acquire(lora) == 1 and pool.loads == 2    # loads afresh into the freed slot

@@ -229,3 +229,21 @@ def test_the_async_engine_fails_only_the_request_a_full_pool_refuses(target_dir,
     assert "all 1 adapter slots are held" in outs[refused][-1].error
     tokens = [t for o in outs[first] for t in o.new_token_ids]
     assert outs[first][-1].finish_reason == "length" and len(tokens) == 40
+
+
+def test_a_name_reloaded_from_other_files_never_reads_the_old_kv(target_dir, adapters):
+    llm = LLM(target_dir, dtype="float32", max_loras=1, max_lora_rank=8, page_size=8)
+    engine, prompt = llm.engine, prompts(2, seed=3)[1]
+    first, second = (LoRARequest("x", 1, adapters[n].path) for n in ("attention", "mlp"))
+    engine.load_lora(first)
+    assert llm.generate([prompt], GREEDY, lora=first)[0].token_ids == reference(target_dir, adapters["attention"], [prompt])[0]
+    assert engine.unload_lora("x") and not engine.unload_lora("x")
+    engine.load_lora(second)
+    seq = engine.make_sequence(prompt, GREEDY, lora=second)
+    engine.add(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_cached_tokens == 0
+    assert seq.output_ids == reference(target_dir, adapters["mlp"], [prompt])[0]
+    with pytest.raises(ValueError, match="LoRA is off"):
+        LLM(target_dir, dtype="float32").engine.load_lora(first)
