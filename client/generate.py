@@ -53,7 +53,8 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                  frequency_penalty: float | None = None, min_tokens: int | None = None,
                  return_log_probs: bool | None = None, exclude_input_in_output: bool = True,
                  guided_decoding_guide_type: str | None = None, guided_decoding_guide: str | None = None,
-                 return_perf_metrics: bool | None = None) -> list:
+                 return_perf_metrics: bool | None = None, lora_name: str | None = None,
+                 lora_task_id: int | None = None) -> list:
     """The request tensors, each with the batch dimension (shape ``[1, ...]``): ``text_input``
     for a text prompt, ``input_ids`` for a list of token ids (``exclude_input_in_output``
     concerns text only); an option left None is not sent (the server's default)."""
@@ -81,7 +82,9 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                 ("return_log_probs", return_log_probs, np.bool_, "BOOL"),
                 ("return_perf_metrics", return_perf_metrics, np.bool_, "BOOL"),
                 ("guided_decoding_guide_type", _utf8(guided_decoding_guide_type), np.object_, "BYTES"),
-                ("guided_decoding_guide", _utf8(guided_decoding_guide), np.object_, "BYTES"))
+                ("guided_decoding_guide", _utf8(guided_decoding_guide), np.object_, "BYTES"),
+                ("lora_name", _utf8(lora_name), np.object_, "BYTES"),
+                ("lora_task_id", lora_task_id, np.uint64, "UINT64"))
     inputs += [tensor(name, value, dtype, triton_type) for name, value, dtype, triton_type in optional
                if value is not None]
     for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):

@@ -39,6 +39,7 @@ from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig, Transfer
 from ..engine.inbox import Inbox
 from ..engine.config import EngineConfig
 from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
+from ..lora.request import LoRARequest
 from .kv_views import source_pool
 from .pool import TARGET
 
@@ -59,6 +60,7 @@ class AddJob:
     prompt_ids: list[int]
     on_done: DoneCallback
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +124,11 @@ class PrefillService(PrefillHooks):
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, desc: DestinationDescriptor, prompt_ids: list[int],
-               on_done: DoneCallback, cache_salt: str | None = None) -> str:
+               on_done: DoneCallback, cache_salt: str | None = None,
+               lora: LoRARequest | None = None) -> str:
         """Prefill ``prompt_ids[:-1]`` into ``desc``'s reservation; ``cache_salt``: the
-        request's prefixes are cached for requests of the same salt only. Raises
+        request's prefixes are cached for requests of the same salt only; ``lora``: the
+        adapter its KV is computed under (the decoder's). Raises
         :class:`PrefillClosing` once :meth:`shutdown` began."""
         if len(prompt_ids) - 1 != desc.num_tokens:
             raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
@@ -140,7 +144,7 @@ class PrefillService(PrefillHooks):
             self._pending += 1
         rid = f"prefill-{next(self._ids)}"
         job = AddJob(rid, desc, list(prompt_ids), functools.partial(self._settle, on_done),
-                     cache_salt)
+                     cache_salt, lora)
         delay = self._faults.prefill_delay_s() if self._faults is not None else 0.0
         if delay:
             timer = threading.Timer(delay, self._inbox.post, (job,))
@@ -205,8 +209,8 @@ class PrefillService(PrefillHooks):
                 return
             for msg in items:
                 match msg:
-                    case AddJob(rid, desc, prompt_ids, on_done, cache_salt):
-                        self._add(rid, desc, prompt_ids, on_done, cache_salt)
+                    case AddJob(rid, desc, prompt_ids, on_done, cache_salt, lora):
+                        self._add(rid, desc, prompt_ids, on_done, cache_salt, lora)
                     case FailJob(rid, error):
                         self._abort(rid, error)
                     case TransferEnded(rid, transfer):
@@ -225,10 +229,10 @@ class PrefillService(PrefillHooks):
             for rid, why in self.engine.take_failed():   # one request's failure, alone
                 self._abort(rid, why)
 
-    def _add(self, rid: str, desc, prompt_ids, on_done, cache_salt=None) -> None:
+    def _add(self, rid: str, desc, prompt_ids, on_done, cache_salt=None, lora=None) -> None:
         try:
             self.engine.add(rid, prompt_ids[:-1], last_token=prompt_ids[-1],
-                            cache_salt=cache_salt)
+                            cache_salt=cache_salt, lora=lora)
         except ValueError as e:
             return _call(on_done, str(e))
         self._jobs[rid] = (desc, on_done)

@@ -64,7 +64,7 @@ class TritonPythonModel(_StreamingModel):
                                  failures=self.engine.transfer_failures,
                                  recomputed=self.engine.transfer_recomputes)
 
-    def _submit(self, request, parsed, index: int, on_output) -> str:
+    def _submit(self, request, parsed, index: int, on_output, adapter=None) -> str:
         from tandem.backends.disagg import SharedPoolTicket
 
         desc = pb_utils.get_input_tensor_by_name(request, KV_DESCRIPTOR).as_numpy().tobytes()
@@ -72,14 +72,14 @@ class TritonPythonModel(_StreamingModel):
         if desc == NO_TRANSFER or index > 0:
             # the transferred KV feeds sample 0; the engine has no page sharing, so the
             # other samples of num_return_sequences prefill here
-            return self.engine.submit(parsed.prompt, params, on_output)
+            return self.engine.submit(parsed.prompt, params, on_output, lora=adapter)
         try:
             ticket = SharedPoolTicket.for_descriptor(self.pool, desc, len(parsed.prompt),
                                                      self.engine.allocator)
         except ValueError as e:
             raise ValueError(f"kv_descriptor: {e}") from None
         try:
-            return self.engine.submit_prefilled(parsed.prompt, params, ticket, on_output)
+            return self.engine.submit_prefilled(parsed.prompt, params, ticket, on_output, lora=adapter)
         except BaseException:
             ticket.cancel()   # refused here: its pages must not wait for the lease
             raise

@@ -10,6 +10,7 @@ from .settings import EngineSettings
 INPUT_IDS = "input_ids"            # INT32 [1, n]: the tokenized prompt (preprocess)
 KV_DESCRIPTOR = "kv_descriptor"    # UINT8 [1, m]: DestinationDescriptor bytes (kv_transfer)
 CACHE_SALT = "cache_salt"          # STRING [1], optional: the request's prefix-cache salt
+LORA_NAME = "lora_name"            # STRING [1], optional: the request's LoRA adapter (registry name)
 PREFILL_ACK = "prefill_ack"        # BOOL [1, 1]: prefill accepted the job (prefill)
 # no reservation, no transfer: decode prefills the prompt itself (a one-token prompt has
 # nothing to prefill; conditional disaggregation routes short prompts here too)

@@ -65,7 +65,7 @@ class TritonPythonModel(PerRequestModel):
         name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
         s = EngineSettings.from_model_config(json.loads(args["model_config"]))
         self.settings = s
-        self.adapters = None     # the server's LoRA adapter registry, when it serves adapters
+        self.adapters = s.adapters()     # the server's LoRA adapter registry (None: no LoRA)
         self.pool = open_or_create(pool_spec(s))
         self.context_nbytes = self.pool.spec.context_bytes
         self.page_size = self.pool.spec.models[0].page_size
@@ -103,10 +103,10 @@ class TritonPythonModel(PerRequestModel):
             n = len(parsed.prompt)
             self._check_fits(n, parsed.max_tokens, parsed.num_return_sequences)
             check_guide(parsed, self._compile_guide)   # before a page is reserved
-            adapter_entry(parsed, self.adapters)        # an adapter the server does not serve, too
+            adapter = adapter_entry(parsed, self.adapters)   # one the server does not serve, too
         except RequestError as e:
             return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
-        keys = self._cache_keys(parsed.prompt, parsed.cache_salt)
+        keys = self._cache_keys(parsed.prompt, parsed.cache_salt, adapter)
         # a request for its prompt's log-probabilities computes its whole prompt
         cached = self.pool.cache_lookup(keys) * self.page_size \
             if keys and parsed.num_prompt_log_probs is None else 0
@@ -123,14 +123,16 @@ class TritonPythonModel(PerRequestModel):
             except ValueError as e:
                 return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
             try:
-                route, desc = self._hand_off(parsed.prompt, reservation, route, parsed.cache_salt)
+                route, desc = self._hand_off(parsed.prompt, reservation, route, parsed.cache_salt,
+                                             None if adapter is None else adapter.name)
             except ValueError as e:   # the prefill side refused the job: it does not fit there
                 return error_response(f"prefill: {e}", pb_utils.TritonError.INVALID_ARG)
         self.metrics.routed(route.path, route.reason)
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(KV_DESCRIPTOR, as_bytes_tensor(desc))])
 
-    def _hand_off(self, prompt: list[int], reservation, route, cache_salt: str | None):
+    def _hand_off(self, prompt: list[int], reservation, route, cache_salt: str | None,
+                  lora_name: str | None = None):
         """Give the prefill side the job of ``reservation``: the route and descriptor
         decode gets — the reservation's, or, when the prefill side took no job, none
         (the reservation given back) and decode prefills the prompt (``prefill_down``)."""
@@ -139,7 +141,7 @@ class TritonPythonModel(PerRequestModel):
 
         desc = reservation.to_bytes()
         try:
-            self.prefill.submit(np.asarray(prompt, dtype=np.int32), as_bytes_tensor(desc), cache_salt)
+            self.prefill.submit(np.asarray(prompt, dtype=np.int32), as_bytes_tensor(desc), cache_salt, lora_name)
         except ValueError:   # the prefill side refused this job itself
             self.receiver.cancel(reservation.slot, reservation.generation)
             raise
@@ -173,13 +175,14 @@ class TritonPythonModel(PerRequestModel):
             self.guides = GuideCompiler(load_tokenizer(s.model_dir), self.vocab_size, eos)
         return self.guides.compile(guide)
 
-    def _cache_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
+    def _cache_keys(self, prompt: list[int], cache_salt: str | None, adapter=None) -> list[bytes]:
         """The prompt's page keys as decode's prefix cache keys them ([] while no decode
-        owns the pool's cache, or caching is off)."""
+        owns the pool's cache, or caching is off); ``adapter``: the request's LoRA adapter
+        (its registry entry: the name and files the keys are made of)."""
         root = self.pool.cache_root() if self.pool.caching else None
         if root is None:
             return []
-        return prompt_page_keys(prompt, self.page_size, root, cache_salt, self.key_lookahead)
+        return prompt_page_keys(prompt, self.page_size, root, cache_salt, self.key_lookahead, adapter)
 
     def _route(self, prompt_len: int, num_sequences: int, cached_tokens: int = 0,
                prompt_logits: bool = False):

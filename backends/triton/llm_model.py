@@ -75,7 +75,7 @@ class TritonPythonModel:
         s = self.settings
         self.vocab_size, self.max_model_len = model_limits(s.model_dir)
         self.model_version = version     # a key of the engine's prefix cache
-        self.adapters = None            # the server's LoRA adapter registry, when it serves adapters
+        self.adapters = s.adapters()    # the server's LoRA adapter registry (None: no LoRA)
         self.engine = self._make_engine(s)
         self.engine.on_fatal = self._engine_failed
         if self.engine.tokenizer is None:
@@ -114,11 +114,12 @@ class TritonPythonModel:
         """Engine counters and KV pages (the decode model adds the shared pool)."""
         self.metrics.poll_engine(self.engine)
 
-    def _submit(self, request, parsed, index: int, on_output) -> str:
-        """Hand sample ``index`` of a parsed request to the engine; returns its engine
-        request id (the decode model submits sample 0 on the transferred KV)."""
+    def _submit(self, request, parsed, index: int, on_output, adapter=None) -> str:
+        """Hand sample ``index`` of a parsed request (under LoRA ``adapter``, or the base
+        model) to the engine; returns its engine request id (the decode model submits
+        sample 0 on the transferred KV)."""
         params = parsed.sampling_params(index, self.engine.tokenizer)
-        return self.engine.submit(parsed.prompt, params, on_output)
+        return self.engine.submit(parsed.prompt, params, on_output, lora=adapter)
 
     def execute(self, requests):
         for request in requests:
@@ -172,7 +173,7 @@ class TritonPythonModel:
                 clock = metrics.submitted()
                 try:
                     rid = self._submit(request, parsed, index,
-                                       lambda out, i=index, c=clock: on_output(out, i, c))
+                                       lambda out, i=index, c=clock: on_output(out, i, c), adapter)
                 except Exception as exc:
                     metrics.not_submitted()
                     self._refused(stream, exc)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, PREFILL_ACK
+from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, LORA_NAME, PREFILL_ACK
 from .prefill_router import (ACK_TIMEOUT_S, LOCAL_WHILE_DOWN_S, PREFILL_MODEL, EndpointHealth, PrefillRouter,
                              PrefillUnavailable, parse_endpoints)
 from .settings import EngineSettings
@@ -44,7 +44,7 @@ class LocalPrefill:
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tandem-prefill-bls")
 
     def submit(self, input_ids: np.ndarray, kv_descriptor: np.ndarray,
-               cache_salt: str | None = None) -> str:
+               cache_salt: str | None = None, lora_name: str | None = None) -> str:
         import triton_python_backend_utils as pb_utils
 
         now = time.monotonic()
@@ -57,6 +57,8 @@ class LocalPrefill:
                   pb_utils.Tensor(KV_DESCRIPTOR, np.asarray(kv_descriptor, dtype=np.uint8).reshape(1, -1))]
         if cache_salt is not None:
             inputs.append(pb_utils.Tensor(CACHE_SALT, np.array([[cache_salt.encode()]], dtype=object)))
+        if lora_name is not None:
+            inputs.append(pb_utils.Tensor(LORA_NAME, np.array([[lora_name.encode()]], dtype=object)))
         request = pb_utils.InferenceRequest(model_name=self.model, inputs=inputs,
                                             requested_output_names=[PREFILL_ACK])
         call = self._calls.submit(request.exec)

@@ -24,7 +24,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, NO_TRANSFER, PREFILL_ACK, token_ids
+from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, LORA_NAME, NO_TRANSFER, PREFILL_ACK, token_ids
 from .metrics import Poller, PrefillMetrics
 from .per_request import PerRequestModel, error_response
 from .settings import EngineSettings
@@ -52,6 +52,7 @@ class PrefillModel(PerRequestModel):
         self.service = PrefillService(s.engine_config(num_pages=None, model_version=version),
                                       sender)
         self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
+        self.adapters = s.adapters()      # the server's LoRA adapter registry (None: no LoRA)
         self.service.before_step = PrefillThreads(server_pool_name(), s.threads,
                                                   s.prefill_idle_threads_or_threads)
         self.service.start()
@@ -69,16 +70,32 @@ class PrefillModel(PerRequestModel):
         ids = pb_utils.get_input_tensor_by_name(request, INPUT_IDS).as_numpy()
         if desc != NO_TRANSFER:
             try:
+                lora = self._adapter(_text(request, LORA_NAME))
+            except ValueError as e:
+                return error_response(str(e), pb_utils.TritonError.INVALID_ARG)
+            try:
                 d = DestinationDescriptor.from_bytes(desc)   # bounded: refused before any plan
                 # raises ValueError (a descriptor that does not fit this prefill's pools)
                 # or PrefillClosing (shutting down)
-                self.service.submit(d, token_ids(ids), _log_failure, cache_salt=_cache_salt(request))
+                self.service.submit(d, token_ids(ids), _log_failure, cache_salt=_text(request, CACHE_SALT),
+                                    lora=lora)
             except (MalformedMessage, ValueError) as e:
                 return error_response(f"kv_descriptor: {e}", pb_utils.TritonError.INVALID_ARG)
             except RuntimeError as e:   # PrefillClosing
                 return error_response(str(e), pb_utils.TritonError.UNAVAILABLE)
         ack = np.ones((1, 1), dtype=bool)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PREFILL_ACK, ack)])
+
+    def _adapter(self, name: str | None):
+        """The ``LoRARequest`` of adapter ``name`` in this server's registry (a prefill
+        server's own: it must serve an adapter of that name too); ValueError otherwise."""
+        if name is None:
+            return None
+        entry = self.adapters.get(name) if self.adapters is not None else None
+        if entry is None:
+            raise ValueError(f"lora_name: this prefill server serves no LoRA adapter {name!r}")
+        from tandem.backends.lora.request import LoRARequest
+        return LoRARequest(entry.name, entry.id, entry.path)
 
     def finalize(self) -> None:
         if getattr(self, "metrics_poller", None) is not None:
@@ -91,9 +108,10 @@ class PrefillModel(PerRequestModel):
             self.metrics = None
 
 
-def _cache_salt(request) -> str | None:
-    """The optional ``cache_salt`` input (checked, as every input, by preprocess/kv_transfer)."""
-    t = pb_utils.get_input_tensor_by_name(request, CACHE_SALT)
+def _text(request, name: str) -> str | None:
+    """An optional STRING input (``cache_salt``, ``lora_name``; checked, as every input,
+    by preprocess/kv_transfer)."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
     v = t.as_numpy().reshape(-1)[0]

@@ -35,7 +35,7 @@ import numpy as np
 from tandem.backends.disagg.prefix_affinity import (CACHE_AWARE, PREFILL_ROUTINGS, AffinityPolicy,
                                                     PrefixAffinity, prompt_keys, try_order)
 
-from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR
+from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, LORA_NAME
 
 PREFILL_MODEL = "prefill"
 ACK_TIMEOUT_S = 3.0          # a healthy prefill server acks in milliseconds
@@ -160,9 +160,10 @@ class PrefillRouter:
             return placement.order, placement
 
     def submit(self, input_ids: np.ndarray, kv_descriptor: np.ndarray,
-               cache_salt: str | None = None) -> str:
-        """Hand one job (with its prompt's prefix-cache salt) to a prefill server;
-        returns the endpoint that took it."""
+               cache_salt: str | None = None, lora_name: str | None = None) -> str:
+        """Hand one job (with its prompt's prefix-cache salt and LoRA adapter: the prefill
+        server serves one of that name too) to a prefill server; returns the endpoint that
+        took it."""
         import tritonclient.grpc as grpcclient
         ids = np.asarray(input_ids, dtype=np.int32).reshape(1, -1)
         desc = np.asarray(kv_descriptor, dtype=np.uint8).reshape(1, -1)
@@ -170,9 +171,10 @@ class PrefillRouter:
                   grpcclient.InferInput(KV_DESCRIPTOR, list(desc.shape), "UINT8")]
         inputs[0].set_data_from_numpy(ids)
         inputs[1].set_data_from_numpy(desc)
-        if cache_salt is not None:
-            inputs.append(grpcclient.InferInput(CACHE_SALT, [1, 1], "BYTES"))
-            inputs[-1].set_data_from_numpy(np.array([[cache_salt.encode()]], dtype=object))
+        for name, value in ((CACHE_SALT, cache_salt), (LORA_NAME, lora_name)):
+            if value is not None:
+                inputs.append(grpcclient.InferInput(name, [1, 1], "BYTES"))
+                inputs[-1].set_data_from_numpy(np.array([[value.encode()]], dtype=object))
         order, placement = self._order(ids[0].tolist())
         errors, tried = [], False
         for i in order:

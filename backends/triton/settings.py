@@ -150,6 +150,11 @@ class EngineSettings:
         "the cached page of its key: catches a page that was wrong when published, which checksums cannot; one "
         "that disagrees is dropped (tandem_prefix_cache_disagreeing_pages_total). Costs the declined hits' prefill "
         "(default: %(default)s)"))
+    max_loras: int = setting(0, "--max-loras", help=(
+        "LoRA adapters held at once in each engine's adapter slots; a request names one by the OpenAI model field "
+        "or the lora_name / lora_task_id input (default: %(default)s = no LoRA)"))
+    max_lora_rank: int = setting(16, "--max-lora-rank", "the largest adapter rank the slots hold (default: %(default)s)")
+    lora_dir: str = ""                    # the server's adapter registry (tandem serve: <run dir>/loras)
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -305,7 +310,15 @@ class EngineSettings:
                     speculative=self.speculative(), enable_prefix_caching=self.prefix_caching == "on",
                     compile=self.compile,
                     compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager,
-                    kv_audit=self.kv_audit, kv_audit_recompute=self.kv_audit_recompute)
+                    kv_audit=self.kv_audit, kv_audit_recompute=self.kv_audit_recompute,
+                    max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def adapters(self):
+        """The server's LoRA adapter registry (:mod:`.lora_registry`), or None without LoRA."""
+        if not self.max_loras or not self.lora_dir:
+            return None
+        from .lora_registry import AdapterRegistry
+        return AdapterRegistry(self.lora_dir)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

@@ -25,7 +25,7 @@ class OpenAIFrontend:
     def __init__(self, triton_url: str, models: list[str], model_dir: str | Path | None = None, *,
                  host: str = "127.0.0.1", port: int = DEFAULT_PORT, log_level: str = "warning",
                  request_timeout_s: float = 600.0, api_key: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, lora=None):
         if not 0 < port < 65536:
             raise FrontendError(f"port {port}; allowed: 1..65535")
         self.triton_url, self.models, self.model_dir = triton_url, list(models), model_dir
@@ -33,6 +33,7 @@ class OpenAIFrontend:
         self.request_timeout_s = request_timeout_s
         self._api_key = api_key
         self.tool_call_parser = tool_call_parser
+        self.lora = lora          # the server's adapters (client/openai/lora.py), or None
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -52,7 +53,7 @@ class OpenAIFrontend:
 
         from .app import create_app
         app = create_app(self.triton_url, self.models, self.model_dir, request_timeout_s=self.request_timeout_s,
-                         api_key=self._api_key, tool_call_parser=self.tool_call_parser)
+                         api_key=self._api_key, tool_call_parser=self.tool_call_parser, lora=self.lora)
         # asyncio's loop (grpc.aio is made for it), no access log, and open streams get
         # 3 s to end at stop before they are cancelled (which cancels their gRPC streams)
         config = uvicorn.Config(app, host=self.host, port=self.port, loop="asyncio", log_level=self.log_level,
@@ -113,4 +114,14 @@ def start_for(server, port: int, log_level: str = "warning", api_key: str | None
     if port == 0 or not models:
         return None
     return OpenAIFrontend(server.grpc_url, models, server.options.engine.model_dir, host=server.host, port=port,
-                          log_level=log_level, api_key=api_key, tool_call_parser=tool_call_parser).start()
+                          log_level=log_level, api_key=api_key, tool_call_parser=tool_call_parser,
+                          lora=lora_serving(server.options.engine)).start()
+
+
+def lora_serving(engine):
+    """The frontend's view of the server's LoRA adapters (None: the server serves none)."""
+    registry = engine.adapters()
+    if registry is None:
+        return None
+    from .lora import LoRAServing
+    return LoRAServing(registry, engine.model_dir, engine.max_lora_rank)

@@ -77,6 +77,10 @@ class ServeOptions:
         "also serve the text ensemble (tandem; tandem_colocated with --mode colocated; tandem with --mode "
         "both) under NAME, e.g. ensemble: the name scripts written for the TensorRT-LLM backend call "
         "(default: none)"))
+    lora_modules: str = setting("", "--lora-modules", metavar="NAME=DIR,...", help=(
+        "LoRA adapters (PEFT directories) served from the start, each under its NAME: the OpenAI model field "
+        "or the lora_name input names it; needs --max-loras >= 1; more at run time through the OpenAI API's "
+        "/v1/load_lora_adapter (default: none)"))
 
     @classmethod
     def of(cls, **values) -> "ServeOptions":
@@ -85,6 +89,24 @@ class ServeOptions:
         own = {f.name for f in fields(cls)} - {"engine"}
         mine = {k: values.pop(k) for k in list(values) if k in own}
         return cls(EngineSettings(**values), **mine)
+
+    def adapters(self) -> list[tuple[str, str]]:
+        """``--lora-modules`` as (name, directory) pairs; a ServerError says what is wrong.
+
+        >>> ServeOptions.of(lora_modules="sql=/a/sql, chat=/a/chat", max_loras=2).adapters()
+        [('sql', '/a/sql'), ('chat', '/a/chat')]
+        """
+        pairs = []
+        for item in (i.strip() for i in self.lora_modules.split(",")):
+            if not item:
+                continue
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ServerError(f"--lora-modules {item!r}: allowed: NAME=DIR, comma-separated")
+            pairs.append((name.strip(), path.strip()))
+        if pairs and self.engine.max_loras < 1:
+            raise ServerError("--lora-modules needs --max-loras >= 1 (the adapter slots each engine holds)")
+        return pairs
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ stops it so that no process and no shared-memory segment is left behind:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -192,6 +193,7 @@ class TritonServer:
             self._owns_run_dir = True
         self.run_dir = Path(self.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._register_adapters()
         remove_orphan_segments()
 
         try:
@@ -236,6 +238,31 @@ class TritonServer:
         if self.supervise:
             self.supervisor = Supervisor(self).start()
         return self
+
+    def _register_adapters(self) -> None:
+        """With ``--max-loras``: the adapter registry the models read (``<run dir>/loras``),
+        holding the ``--lora-modules`` adapters, each checked against the base model first
+        (a ServerError names the one that does not fit). A restart keeps what is there,
+        the adapters loaded at run time included."""
+        engine = self.options.engine
+        pairs = self.options.adapters()
+        if engine.max_loras < 1:
+            return
+        if not engine.lora_dir:
+            engine = dataclasses.replace(engine, lora_dir=str(self.run_dir / "loras"))
+            self.options = dataclasses.replace(self.options, engine=engine)
+        from tandem.backends.triton.lora_registry import AdapterRegistry
+        registry = AdapterRegistry(engine.lora_dir)
+        for name, path in pairs:
+            if registry.get(name) is not None:
+                continue
+            from tandem.backends.lora.adapter import load_adapter
+            from tandem.backends.models.config import ModelConfig
+            try:
+                load_adapter(name, path, ModelConfig.from_dir(engine.model_dir), engine.max_lora_rank)
+                registry.add(name, str(Path(path).resolve()))
+            except (ValueError, OSError) as e:
+                raise ServerError(f"--lora-modules: {e}") from None
 
     def _launch(self) -> None:
         layout, backend_dir, repo = self._launch_args

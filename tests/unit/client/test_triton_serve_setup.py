@@ -560,3 +560,11 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
     assert (off["compile"], off["enforce_eager"], off["draft_vocab_size"]) == ("auto", "0", "0")
     assert EngineSettings.from_model_config({"parameters": {"model_dir": {"string_value": "m"}}}) \
         .engine_config().compile_cache_dir is None
+
+
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in MODEL_REPOSITORY.glob("*/config.pbtxt")))
+def test_every_model_config_parses(name):
+    """Triton refuses a model whose config.pbtxt does not parse (a missing comma in a list
+    takes the model, and the server's readiness, down): parse each as Triton does."""
+    cfg = _config(name)
+    assert cfg.name == name

@@ -165,6 +165,7 @@ class FakeEngine:
         self.model_dir, self.kwargs = model_dir, kwargs
         self.tokenizer = FakeTokenizer()
         self.submitted: list[tuple[list[int], object, object]] = []
+        self.loras: list = []         # each submitted request's LoRARequest (None: the base)
         self.aborted: list[str] = []
         self.started = self.stopped = False
         self.reject: str | None = None
@@ -176,12 +177,13 @@ class FakeEngine:
     def start(self):
         self.started = True
 
-    def submit(self, prompt, params, on_output):
+    def submit(self, prompt, params, on_output, lora=None):
         if self.reject:
             raise ValueError(self.reject)
         params.validate()
         rid = f"req-{len(self.submitted)}"
         self.submitted.append((prompt, params, on_output))
+        self.loras.append(lora)
         return rid
 
     def abort(self, rid):

@@ -29,7 +29,7 @@ def test_initialize_configures_engine_and_threads(model, ckpt_dir):
                                  max_num_seqs=64, max_num_batched_tokens=512, speculative=None,
                                  enable_prefix_caching=True, model_version="1",
                                  compile="auto", compile_cache_dir=None, enforce_eager=False, kv_audit=0.01,
-                                 kv_audit_recompute=0.0)
+                                 kv_audit_recompute=0.0, max_loras=0, max_lora_rank=16)
     assert torch.get_num_threads() == 1
 
 
@@ -112,7 +112,7 @@ def test_a_failing_sample_ends_the_request_and_aborts_its_siblings(model):
 def test_a_refused_sample_refuses_the_request_and_aborts_the_others(model):
     engine = FakeEngine.instances[-1]
     submit = engine.submit
-    engine.submit = lambda prompt, params, cb: (submit(prompt, params, cb) if len(engine.submitted) < 1
+    engine.submit = lambda prompt, params, cb, lora=None: (submit(prompt, params, cb) if len(engine.submitted) < 1
                                                 else (_ for _ in ()).throw(ValueError("the pool is too small")))
     request = token_request(num_return_sequences=2)
     model.execute([request])
