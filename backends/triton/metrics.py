@@ -236,6 +236,9 @@ class EngineMetrics(_ModelMetrics):
         c = getattr(engine, "prefix_cache", None)
         if c is not None:
             _prefix_cache(r, d, c)
+        lora = getattr(engine, "lora", None)
+        if lora is not None:
+            _lora(r, d, lora)
         if pool is not None:
             s = pool.stats()
             pages = {"free": s.free, "reserved": s.reserved, "in_use": s.in_use}
@@ -254,6 +257,18 @@ class EngineMetrics(_ModelMetrics):
             r.metric("tandem_kv_transfer_recomputed_total", "counter",
                      "requests whose prompt KV transfer failed and decode prefilled them itself"
                      ).increment(d.take("recomputed", recomputed))
+
+
+def _lora(r, d, stats) -> None:
+    """The engine's LoRA adapter slots (a ``backends.lora.LoRAStats``)."""
+    r.metric("tandem_lora_adapters_loaded", "gauge", "LoRA adapters in the engine's slots").set(len(stats.loaded))
+    r.metric("tandem_lora_slots", "gauge", "the engine's LoRA adapter slots (--max-loras)").set(stats.max_loras)
+    for name, total in (("tandem_lora_loads_total", stats.loads), ("tandem_lora_evictions_total", stats.evictions)):
+        what = "adapters loaded into a slot" if "loads" in name else "idle adapters evicted for another"
+        r.metric(name, "counter", what).increment(d.take(name, total))
+    for adapter, total in stats.requests.items():
+        r.metric("tandem_lora_requests_total", "counter", "requests run under each LoRA adapter",
+                 adapter=adapter).increment(d.take(("lora", adapter), total))
 
 
 class TransferMetrics(_ModelMetrics):
