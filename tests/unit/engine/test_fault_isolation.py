@@ -15,6 +15,7 @@ from tandem.backends.engine.config import EngineConfig
 from tandem.backends.engine.prefill_engine import PrefillEngine
 from tandem.backends.engine.sampler import sample
 
+from ..async_outputs import OutputCollector
 from ..tiny_checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -181,20 +182,14 @@ def test_a_message_the_engine_cannot_take_ends_only_its_request(target_dir):
             raise RuntimeError("poisoned admission")
         add(seq)
     eng.engine.add = add_or_refuse
-    outs: dict[str, list] = {}
-    done = threading.Semaphore(0)
-
-    def on_output(out):
-        outs.setdefault(out.request_id, []).append(out)
-        if out.finished:
-            done.release()
-
+    on_output = OutputCollector()
+    outs = on_output.outs
     eng.start()
     try:
         bad = eng.submit([9, 9, 9], GREEDY, on_output)
         eng.abort(bad)
         good = eng.submit([5, 6, 7], GREEDY, on_output)
-        assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        assert on_output.wait(2, timeout=30)
         assert eng.alive
     finally:
         eng.shutdown()

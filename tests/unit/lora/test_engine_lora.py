@@ -14,6 +14,7 @@ from tandem.backends.engine.prefix_caching import model_root, prompt_page_keys
 from tandem.backends.engine.step_runner import StepRunner
 from tandem.backends.lora import LoRARequest
 
+from ..async_outputs import OutputCollector
 from ..tiny_checkpoints import make_checkpoint
 from .adapters import TARGET_SETS, make_adapter, merged_greedy
 
@@ -205,23 +206,17 @@ def test_the_disaggregated_path_prefills_and_decodes_under_the_adapter(target_di
 
 
 def test_the_async_engine_fails_only_the_request_a_full_pool_refuses(target_dir, adapters):
-    import threading
     from tandem.backends.engine.async_engine import AsyncEngine
     eng = AsyncEngine(str(target_dir), dtype="float32", max_loras=1, max_lora_rank=8)
-    outs: dict[str, list] = {}
-    done = threading.Semaphore(0)
-
-    def on_output(out):
-        outs.setdefault(out.request_id, []).append(out)
-        if out.finished:
-            done.release()
+    on_output = OutputCollector()
+    outs = on_output.outs
     p = prompts(1)[0]
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     first = eng.submit(p, long, on_output, lora=adapters["attention"])
     refused = eng.submit(p, GREEDY, on_output, lora=adapters["mlp"])
     eng.start()
     try:
-        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        assert on_output.wait(2, timeout=60)
     finally:
         eng.shutdown()
     assert eng.lora.loaded == {"attention": 0} and eng.lora.requests == {"attention": 1}
