@@ -94,10 +94,19 @@ class LoRAPool:
     def acquire(self, lora: LoRARequest) -> int:
         """The slot of ``lora``'s adapter, held once more (loaded first if it is not)."""
         slot = self.by_name.get(lora.name)
+        if slot is not None and self.slots[slot].path != str(Path(lora.path)) and not self.slots[slot].refs:
+            # the name was unloaded and loaded again from other files (the server's
+            # registry): the new adapter is read first (a bad one leaves the old in
+            # place), then it takes the idle old one's slot
+            adapter = load_adapter(lora.name, lora.path, self.config, self.max_rank)
+            self.unload(lora.name)
+            slot = self._free_slot(lora.name)
+            self.load(slot, adapter, str(Path(lora.path)))
         if slot is not None:
             if self.slots[slot].path != str(Path(lora.path)):
                 raise ValueError(f"LoRA adapter {lora.name!r} is loaded from {self.slots[slot].path}, "
-                                 f"not {lora.path}; one name, one adapter")
+                                 f"not {lora.path}, and running requests hold it; one name, one adapter "
+                                 "at a time: retry when they finish")
         else:
             adapter = load_adapter(lora.name, lora.path, self.config, self.max_rank)
             slot = self._free_slot(lora.name)

@@ -133,5 +133,9 @@ def test_an_adapter_loaded_at_run_time_serves_at_once_and_goes_when_unloaded(ser
     assert status == 200, body
     with pytest.raises(openai.NotFoundError):
         completion(base_url, "b", p)
+    # the name again, from other files: the engines' idle old adapter gives way to the new one
+    status, body = post(base_url + "/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["a"])})
+    assert status == 200, body
+    assert completion(base_url, "b", p) == reference(p, "a")
     status, body = post_json(base_url + "/load_lora_adapter", {"lora_name": "c", "lora_path": "/nonexistent"})
     assert status == 400 and body["error"]["param"] == "lora_path"

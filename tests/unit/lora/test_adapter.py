@@ -181,8 +181,17 @@ def test_a_bad_adapter_evicts_nothing_and_one_name_is_one_adapter(base, good, cf
     with pytest.raises(ValueError, match="rank 4 is above"):
         pool.acquire(LoRARequest("big", 2, str(good)))
     assert pool.by_name == {"small": 1} and pool.evictions == 0
+    # the name loaded again from other files (unloaded and reloaded through the API): an
+    # idle old adapter is replaced once the new one has loaded; a bad new one changes nothing
+    with pytest.raises(ValueError, match="rank 4 is above"):
+        pool.acquire(LoRARequest("small", 3, str(good)))
+    assert pool.slots[1].path == str(checkpoint_root / "lora_pool_0")
+    other = make_adapter(base, checkpoint_root / "lora_pool_1", targets=("q_proj",), r=2, seed=5)
+    held = pool.acquire(LoRARequest("small", 3, str(other)))
+    assert pool.slots[held].path == str(other) and pool.slots[held].groups == frozenset({"qkv"})
+    # held by a running request, it stays: one name, one adapter at a time
     with pytest.raises(ValueError, match="one name, one adapter"):
-        pool.acquire(LoRARequest("small", 1, str(good)))
+        pool.acquire(LoRARequest("small", 1, str(checkpoint_root / "lora_pool_0")))
 
 
 def test_preload_and_unload(good, cfg):
