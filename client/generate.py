@@ -54,7 +54,8 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                  return_log_probs: bool | None = None, exclude_input_in_output: bool = True,
                  guided_decoding_guide_type: str | None = None, guided_decoding_guide: str | None = None,
                  return_perf_metrics: bool | None = None, lora_name: str | None = None,
-                 lora_task_id: int | None = None) -> list:
+                 lora_task_id: int | None = None, lora_weights: np.ndarray | None = None,
+                 lora_config: np.ndarray | None = None) -> list:
     """The request tensors, each with the batch dimension (shape ``[1, ...]``): ``text_input``
     for a text prompt, ``input_ids`` for a list of token ids (``exclude_input_in_output``
     concerns text only); an option left None is not sent (the server's default)."""
@@ -87,6 +88,12 @@ def build_inputs(prompt: str | Sequence[int], *, max_tokens: int = 16, stream: b
                 ("lora_task_id", lora_task_id, np.uint64, "UINT64"))
     inputs += [tensor(name, value, dtype, triton_type) for name, value, dtype, triton_type in optional
                if value is not None]
+    for name, array, triton_type in (("lora_weights", lora_weights, "FP16"), ("lora_config", lora_config, "INT32")):
+        if array is not None:   # TensorRT-LLM's adapter tensors: [1, N, W] and [1, N, 3]
+            array = np.asarray(array, dtype=np.float16 if triton_type == "FP16" else np.int32)
+            t = grpcclient.InferInput(name, list(array.shape), triton_type)
+            t.set_data_from_numpy(array)
+            inputs.append(t)
     for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
         if words:
             inputs.append(tensor(name, [w.encode("utf-8") for w in words], np.object_, "BYTES"))

@@ -14,7 +14,7 @@ adds nothing). Two ways to compute it:
   gathered once into slot order and the deltas scattered back once (no copy at all when
   they are in order already, as one sequence's prefill is).
 
-Measured here (``python -m tandem.backends.lora.bench [--dtype bfloat16]``: one thread
+Measured here (``python -m tandem.client.bench.lora_ops [--dtype bfloat16]``: one thread
 of a 2-core AMD EPYC with AVX512-BF16, cores shared with other work; in=576, out=1536,
 rank 16; the 16 decode rows mix 4 adapters and the base; µs per call, median of 50):
 

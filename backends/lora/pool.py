@@ -59,7 +59,7 @@ class Slot:
 def lora_dtype(device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype adapters are held and computed in: fp32 on a CPU, where the deltas'
     small matmuls ran about 2x faster than in bf16 (oneDNN reorders a bf16 weight on every
-    call; python -m tandem.backends.lora.bench), the model's own on a GPU."""
+    call; python -m tandem.client.bench.lora_ops), the model's own on a GPU."""
     return torch.float32 if torch.device(device).type == "cpu" else model_dtype
 
 

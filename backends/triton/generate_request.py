@@ -81,8 +81,10 @@ cache_salt                  STRING  none         up to 256 characters: prompts s
 lora_name                   STRING  none         a LoRA adapter the server serves
                                                  (``--lora-modules``, /v1/load_lora_adapter)
 lora_task_id                UINT64  none         TensorRT-LLM's: the adapter with that id
-lora_weights, lora_config   FP32,   none         refused: load the adapter by name and
-                            INT32                send ``lora_task_id`` or ``lora_name``
+lora_weights, lora_config   FP16,   none         TensorRT-LLM's adapter tensors, with
+                            INT32                ``lora_task_id``, on its first request:
+                                                 written once as a PEFT adapter
+                                                 (:mod:`.trtllm_lora`), cached after
 guided_decoding_guide_type  STRING  none         json, json_schema, regex or ebnf_grammar:
                                                  structured output (xgrammar)
 guided_decoding_guide       STRING  none         the schema, regex or EBNF grammar (not
@@ -161,7 +163,7 @@ SAMPLING_INPUTS = {
     # id (TensorRT-LLM's lora_task_id); TensorRT-LLM's weight tensors are refused
     "lora_name": ("TYPE_STRING", [1]),
     "lora_task_id": ("TYPE_UINT64", [1]),
-    "lora_weights": ("TYPE_FP32", [-1, -1]),
+    "lora_weights": ("TYPE_FP16", [-1, -1]),
     "lora_config": ("TYPE_INT32", [-1, 3]),
     # TensorRT-LLM's guided decoding (structured output)
     "guided_decoding_guide_type": ("TYPE_STRING", [1]),
@@ -220,6 +222,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     lora_task_id: int | None = None
+    # TensorRT-LLM's adapter tensors (with lora_task_id, on its first request)
+    lora_weights: np.ndarray | None = field(default=None, repr=False)
+    lora_config: np.ndarray | None = field(default=None, repr=False)
     guided_decoding: GuidedDecoding | None = None
     exclude_input_in_output: bool = False
 
@@ -387,11 +392,14 @@ def _token_bias(get: GetInput, vocab_size: int | None) -> dict[int, float]:
 
 def _lora(get: GetInput) -> dict:
     """``lora_name`` / ``lora_task_id`` (which adapter the engine model resolves in the
-    server's registry); TensorRT-LLM's adapter weights in the request are refused."""
-    for name in ("lora_weights", "lora_config"):
-        if get(name) is not None:
-            raise RequestError(name, "not supported: Tandem loads adapters from PEFT directories "
-                                     "(--lora-modules, /v1/load_lora_adapter); send lora_task_id or lora_name")
+    server's registry), and TensorRT-LLM's adapter tensors that come with a task id."""
+    weights, config = get("lora_weights"), get("lora_config")
+    if (weights is None) != (config is None):
+        raise RequestError("lora_config" if config is None else "lora_weights",
+                           "lora_weights and lora_config come together (with lora_task_id)")
+    if weights is not None and scalar(get, "lora_task_id") is None:
+        raise RequestError("lora_task_id", "is required with lora_weights and lora_config (the adapter is "
+                                           "cached under it)")
     name = scalar(get, "lora_name")
     name = None if name is None else as_text(name, "lora_name").strip() or None
     task = scalar(get, "lora_task_id")
@@ -399,7 +407,9 @@ def _lora(get: GetInput) -> dict:
         raise RequestError("lora_task_id", "send lora_name or lora_task_id, not both")
     if name is not None and len(name) > 64:
         raise RequestError("lora_name", f"has {len(name)} characters; allowed: an adapter name of up to 64")
-    return dict(lora_name=name, lora_task_id=None if task is None else int(task))
+    return dict(lora_name=name, lora_task_id=None if task is None else int(task),
+                lora_weights=None if weights is None else np.asarray(weights),
+                lora_config=None if config is None else np.asarray(config))
 
 
 def _cache_salt(get: GetInput) -> str | None:

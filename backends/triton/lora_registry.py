@@ -38,19 +38,25 @@ class AdapterEntry:
 
 
 class AdapterRegistry:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, model_config: dict | None = None, max_rank: int = 16):
+        """``model_config`` (the base checkpoint's config.json) and ``max_rank`` check the
+        adapters TensorRT-LLM clients send in requests (:mod:`.trtllm_lora`)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.model_config, self.max_rank = model_config, max_rank
 
-    def add(self, name: str, path: str) -> AdapterEntry:
-        """Register adapter ``name`` at ``path``; a ValueError names what is wrong (a bad
-        name, a name already served)."""
+    def add(self, name: str, path: str, adapter_id: int | None = None) -> AdapterEntry:
+        """Register adapter ``name`` at ``path`` (under ``adapter_id``: a TensorRT-LLM task
+        id; default: the next id); a ValueError names what is wrong (a bad name, a name or
+        id already served)."""
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ValueError(f"LoRA adapter name {name!r}; allowed: 1-64 letters, digits, '.', '_' or '-', "
                              "starting with a letter or digit")
         if self.get(name) is not None:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        entry = AdapterEntry(name, self._next_id(), str(path))
+        if adapter_id is not None and self.by_id(adapter_id) is not None:
+            raise ValueError(f"LoRA adapter id {adapter_id} is taken by {self.by_id(adapter_id).name!r}")
+        entry = AdapterEntry(name, self._next_id(adapter_id), str(path))
         self._write(self._file(name), json.dumps(asdict(entry)))
         return entry
 
@@ -87,12 +93,14 @@ class AdapterRegistry:
     def _file(self, name: str) -> Path:
         return self.root / f"{name}.json"
 
-    def _next_id(self) -> int:
-        """One more than any id given so far (the high-water mark survives unloads)."""
+    def _next_id(self, wanted: int | None = None) -> int:
+        """One more than any id given so far (the high-water mark survives unloads), or
+        ``wanted`` (a task id chosen by the client), which raises the mark."""
         mark = self.root / _HIGH_WATER
         last = max([int(mark.read_text() or 0) if mark.exists() else 0, *(e.id for e in self.entries())])
-        self._write(mark, str(last + 1))
-        return last + 1
+        given = last + 1 if wanted is None else wanted
+        self._write(mark, str(max(last, given)))
+        return given
 
     @staticmethod
     def _write(path: Path, text: str) -> None:

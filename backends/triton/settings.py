@@ -16,8 +16,10 @@ model as JSON (``args["model_config"]``), where each parameter reads
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 
 from ..engine.config import COMPILE_MODES, ENGINE_DEFAULTS, EngineConfig
 from ..kv_cache.pages import KV_LAYOUTS
@@ -318,7 +320,8 @@ class EngineSettings:
         if not self.max_loras or not self.lora_dir:
             return None
         from .lora_registry import AdapterRegistry
-        return AdapterRegistry(self.lora_dir)
+        config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return AdapterRegistry(self.lora_dir, config, self.max_lora_rank)
 
 
 def model_limits(model_dir: str) -> tuple[int, int]:

@@ -139,3 +139,20 @@ def test_an_adapter_loaded_at_run_time_serves_at_once_and_goes_when_unloaded(ser
     assert completion(base_url, "b", p) == reference(p, "a")
     status, body = post_json(base_url + "/load_lora_adapter", {"lora_name": "c", "lora_path": "/nonexistent"})
     assert status == 400 and body["error"]["param"] == "lora_path"
+
+
+def test_a_tensorrt_llm_client_sends_its_adapter_with_the_first_request(served, reference, prompts, adapters):
+    """lora_task_id with lora_weights / lora_config (fp16, the layout hf_lora_convert.py
+    writes) on the first request; the task id alone after, as TensorRT-LLM caches it."""
+    from ..unit.triton.test_trtllm_lora import trtllm_tensors
+    url, _ = served
+    weights, config = trtllm_tensors(adapters["b"])
+    p = prompts["short"]
+    want = reference(p, "b")
+
+    def run(with_tensors: bool) -> str:
+        tensors = dict(lora_weights=weights, lora_config=config) if with_tensors else {}
+        return grpc_text(url, "tandem_tokens", p, lora_task_id=77, **tensors)
+
+    assert run(with_tensors=True) == want
+    assert run(with_tensors=False) == want

@@ -82,13 +82,24 @@ def test_an_adapter_the_server_does_not_serve_is_the_requests_error(tmp_path, in
         adapter_entry(_parse(**inputs), None)
 
 
-def test_tensorrt_llms_weights_in_the_request_and_both_names_are_refused():
+def test_tensorrt_llms_tensors_need_each_other_and_a_task_id_and_both_names_are_refused():
     import numpy as np
 
     from tandem.backends.triton.generate_request import RequestError, parse_token_request
     base = {"input_ids": np.array([[5, 6]], dtype=np.int32)}
-    weights = {**base, "lora_weights": np.zeros((1, 2, 8), np.float32)}
-    with pytest.raises(RequestError, match="lora_weights: not supported"):
+    weights = {**base, "lora_weights": np.zeros((1, 2, 8), np.float16)}
+    with pytest.raises(RequestError, match="lora_config: lora_weights and lora_config come together"):
         parse_token_request(weights.get, vocab_size=100, max_model_len=64)
+    both = {**weights, "lora_config": np.zeros((1, 2, 3), np.int32)}
+    with pytest.raises(RequestError, match="lora_task_id: is required with lora_weights"):
+        parse_token_request(both.get, vocab_size=100, max_model_len=64)
     with pytest.raises(RequestError, match="lora_task_id: send lora_name or lora_task_id, not both"):
         _parse(lora_name="sql", lora_task_id=1)
+
+
+def test_ids_a_client_chose_are_kept_and_never_given_twice(tmp_path):
+    reg = AdapterRegistry(tmp_path)
+    assert reg.add("task-7", "/a", adapter_id=7).id == 7
+    assert reg.add("next", "/b").id == 8                  # above the client's id
+    with pytest.raises(ValueError, match="id 7 is taken by 'task-7'"):
+        reg.add("other", "/c", adapter_id=7)

@@ -1,5 +1,5 @@
 """Gathered against segmented LoRA deltas (ops.py) at a decode step of 1 and 16 rows and a
-256-token prefill: ``python -m tandem.backends.lora.bench`` prints µs per call (median of
+256-token prefill: ``python -m tandem.client.bench.lora_ops`` prints µs per call (median of
 repeats, one thread). ``--engine MODEL_DIR``: the offline engine's tokens/s with a batch
 mixing 4 random adapters and the base against the base alone, at the same concurrency
 (interleaved repeats, median). A measurement, not a test.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter import ATTENTION_MODULES, TARGET_MODULES, module_shapes
-from .ops import lora_delta_gathered, lora_delta_segmented, lora_segments
+from tandem.backends.lora.adapter import ATTENTION_MODULES, TARGET_MODULES, module_shapes
+from tandem.backends.lora.ops import lora_delta_gathered, lora_delta_segmented, lora_segments
 
 # (name, slot of each row): 4 adapters and the base, as a mixed serving batch has them
 CASES = {"decode, 1 row": [1],
@@ -46,7 +46,7 @@ def time_us(fn, repeats: int) -> float:
 def write_random_adapter(out: Path, model_dir: str, rank: int, seed: int) -> Path:
     """A random PEFT-format adapter on all seven modules of ``model_dir``'s model."""
     from safetensors.torch import save_file
-    from ..models.config import ModelConfig
+    from tandem.backends.models.config import ModelConfig
     cfg = ModelConfig.from_dir(model_dir)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -69,8 +69,8 @@ def engine_throughput(model_dir: str, rank: int, concurrency: int, max_tokens: i
     """tokens/s of ``concurrency`` greedy requests, the base alone and 4 adapters + the
     base mixed (round robin), repeats interleaved; eager steps for both (compiled and
     graphed decode hold the base only)."""
-    from ..engine import LLM, SamplingParams
-    from .request import LoRARequest
+    from tandem.backends.engine import LLM, SamplingParams
+    from tandem.backends.lora.request import LoRARequest
     llm = LLM(model_dir, max_loras=4, max_lora_rank=rank, enforce_eager=True,
               enable_prefix_caching=False, max_num_seqs=max(concurrency, 1))
     model_dir = llm.engine.config.model_dir     # a packaged or GGUF model: its HF directory
