@@ -1,5 +1,6 @@
 """LoRA adapters served end to end: `tandem serve --mode both --max-loras 2 --lora-modules
-a=DIR`, as a user starts it. Each adapter's greedy text, through the OpenAI API (the model
+a=DIR --spec auto`, as a user starts it (the demo's MTP head and n-grams draft from the base, the
+target verifies with the adapter). Each adapter's greedy text, through the OpenAI API (the model
 field names it) and through the gRPC ensembles (``lora_name``, ``lora_task_id``), on the
 disaggregated path (a short prompt prefilled by decode, a long one by the prefill process,
 its KV computed under the adapter there) and the colocated one, equals the offline
@@ -39,7 +40,7 @@ def served(demo_checkpoint, adapters, tmp_path_factory):
     http, grpc, metrics, api = (free_port() for _ in range(4))
     with serve_command(
             "--model", str(demo_checkpoint), "--mode", "both", "--threads", "1", "--dtype", "float32",
-            "--enforce-eager", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['a']}",
+            "--enforce-eager", "--spec", "auto", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['a']}",
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             "--openai-port", str(api), "--run-dir", str(run / "run"), "--log-file", str(run / "server.log"),
             "--ready-timeout", "300", ready_timeout_s=360) as cmd:
