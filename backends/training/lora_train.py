@@ -134,6 +134,7 @@ def train_lora(cfg: LoRATrainConfig, target: str, target_dir: Path, data: str | 
                max_steps: int | None = None, command: str | None = None) -> dict:
     """Train (or resume) an adapter, write it to ``out_dir`` with ``training.json`` (the
     record: config, command, data, loss history, measured effect) and return the record."""
+    from ..engine.compiled_decode import _cpu_model
     from ..models import load_model
     from ..models.tokenizer import generation_eos_ids, load_tokenizer
     from .hidden_states import target_fingerprint
@@ -200,7 +201,7 @@ def train_lora(cfg: LoRATrainConfig, target: str, target_dir: Path, data: str | 
                        "train_answer_tokens": sum(len(a) for _, a in train),
                        "generated_by": data_summary},
               "history": progress.history, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(),
+              "cpu": _cpu_model() or platform.machine(),
               "date": time.strftime("%Y-%m-%d", time.gmtime())}
     with replacing_dir(out_dir) as tmp:
         save_adapter(model, tmp, cfg.lora, target, DTYPES[cfg.save_dtype])
