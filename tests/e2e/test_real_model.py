@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the capital of France?"]
 MAX_TOKENS = 48
+ADAPTERS = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2"
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +59,16 @@ def api(gguf_file, tmp_path_factory):
     http, grpc, metrics, port = (free_port() for _ in range(4))
     with serve_command(
             "--model", MODEL, "--spec", "auto", "--threads", "1", "--dtype", "float32", "--enforce-eager",
-            "--max-num-seqs", "4", "--http-port", str(http), "--grpc-port", str(grpc),
+            "--max-num-seqs", "4", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+            f"shout={ADAPTERS / 'lora-shout'},json-answer={ADAPTERS / 'lora-json-answer'}",
+            "--http-port", str(http), "--grpc-port", str(grpc),
             "--metrics-port", str(metrics), "--openai-port", str(port), "--run-dir", str(run / "run"),
             "--log-file", str(run / "server.log"), "--ready-timeout", "600", ready_timeout_s=900) as cmd:
         yield f"http://127.0.0.1:{port}/v1", cmd.output, run / "run"
 
 
-def _chat(base_url: str, question: str) -> dict:
-    body = {"model": "tandem", "messages": [{"role": "user", "content": question}],
+def _chat(base_url: str, question: str, model: str = "tandem") -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": MAX_TOKENS, "temperature": 0}
     req = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -80,6 +84,19 @@ def test_the_greedy_chat_answer_is_transformers_own(api, hf_answers):
         assert choice["message"]["content"] == hf_answers[q], q
         assert choice["finish_reason"] in ("stop", "length")
     assert "reverse" in hf_answers[QUESTIONS[0]] and "Paris" in hf_answers[QUESTIONS[1]]   # a real model
+
+
+def test_the_shipped_adapters_answer_in_their_style_beside_the_base(api, hf_answers):
+    """checkpoints/smollm2/lora-shout and lora-json-answer, served with the base model
+    (--lora-modules): the model field picks the style; the base's answer is unchanged."""
+    base_url, _, _ = api
+    q = QUESTIONS[1]
+    shout = _chat(base_url, q, "shout")["choices"][0]["message"]["content"]
+    letters = [c for c in shout if c.isalpha()]
+    assert letters and all(c.isupper() for c in letters), shout
+    answer = _chat(base_url, q, "json-answer")["choices"][0]["message"]["content"]
+    assert answer.startswith('{"answer": "'), answer
+    assert _chat(base_url, q)["choices"][0]["message"]["content"] == hf_answers[q]
 
 
 def test_auto_drafts_with_the_head_trained_for_this_model(api):
