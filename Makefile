@@ -78,6 +78,6 @@ $(GENAI_STAMP): $(STAMP)
 # every benchmark, one after another (about an hour here); each writes docs/bench/<name>.json + .png;
 # peers installs vLLM's CPU build into .venv-peers/ on its first run (lm-eval uses it too)
 BENCHMARKS := engine spec profile compile transfer spec-serving serving scaling load soak chaos genai-perf peers prefix \
-	lm-eval tools
+	lm-eval tools lora
 bench: $(STAMP) $(GENAI_STAMP) $(LMEVAL_STAMP)
 	set -e; for b in $(BENCHMARKS); do $(VENV)/bin/tandem bench $$b; done

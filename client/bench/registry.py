@@ -40,6 +40,8 @@ BENCHMARKS = {
               "and vLLM-CPU: TTFT, tok/s, cached-token share",
     "lm-eval": "lm-evaluation-harness on local tasks (multiple choice, log-likelihood, generate_until) against "
                "Tandem and vLLM-CPU on the same checkpoint in fp32: the scores side by side, the generations",
+    "lora": "4 LoRA adapters and the base in one batch against the base alone through the OpenAI API, Tandem and "
+            "vLLM-CPU: tok/s, TTFT, ITL; an adapter loaded at run time under load: failures, the streams' worst gap",
 }
 
 
