@@ -60,6 +60,13 @@ class AdapterRegistry:
         self._write(self._file(name), json.dumps(asdict(entry)))
         return entry
 
+    def check(self, name: str, path: str) -> None:
+        """The adapter at ``path`` fits the base model (``model_config``) within
+        ``max_rank``: a ValueError names what does not (backends/lora/adapter.py)."""
+        from tandem.backends.lora.adapter import load_adapter
+        from tandem.backends.models.config import ModelConfig
+        load_adapter(name, path, ModelConfig.from_dict(self.model_config), self.max_rank)
+
     def remove(self, name: str) -> AdapterEntry:
         entry = self.get(name)
         if entry is None:

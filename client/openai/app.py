@@ -342,9 +342,9 @@ async def _inputs(fe: Frontend, model: str, body, prompts: list[tuple[str, int]]
     if logprobs and LOG_PROBS_OUTPUT not in iface.outputs:
         raise invalid("logprobs", f"not supported by this server: ensemble {model!r} has no output "
                                   f"{LOG_PROBS_OUTPUT!r}")
+    lora_name = fe.adapter_of(body.model)
     return [ensemble_inputs(body, p, iface.inputs, index=j, max_tokens=max_tokens, stream=True,
-                            logprobs=logprobs, model=model, lora_name=fe.adapter_of(body.model))
-            for p, j in prompts]
+                            logprobs=logprobs, model=model, lora_name=lora_name) for p, j in prompts]
 
 
 async def _start(fe: Frontend, model: str, arrays: list[dict], rid: str) -> AsyncIterator[Event]:

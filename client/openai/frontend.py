@@ -124,4 +124,4 @@ def lora_serving(engine):
     if registry is None:
         return None
     from .lora import LoRAServing
-    return LoRAServing(registry, engine.model_dir, engine.max_lora_rank)
+    return LoRAServing(registry)

@@ -21,20 +21,17 @@ from .protocol import OpenAIError, invalid
 
 @dataclass
 class LoRAServing:
-    """The adapters of a server that serves them (``--max-loras`` >= 1)."""
+    """The adapters of a server that serves them (``--max-loras`` >= 1): its registry,
+    which knows the base model and the largest rank."""
     registry: AdapterRegistry
-    model_dir: str | Path
-    max_rank: int
 
     def check(self, name: str, path: str) -> None:
         """The adapter at ``path`` fits the base model (a 400 naming what does not)."""
-        from tandem.backends.lora.adapter import load_adapter
-        from tandem.backends.models.config import ModelConfig
         if not Path(path).is_dir():
             raise invalid("lora_path", f"{path!r} is not a directory (a PEFT adapter: adapter_config.json and "
                                        "adapter_model.safetensors)")
         try:
-            load_adapter(name, path, ModelConfig.from_dir(self.model_dir), self.max_rank)
+            self.registry.check(name, path)
         except (ValueError, OSError) as exc:
             raise invalid("lora_path", str(exc)) from None
 

@@ -251,15 +251,12 @@ class TritonServer:
         if not engine.lora_dir:
             engine = dataclasses.replace(engine, lora_dir=str(self.run_dir / "loras"))
             self.options = dataclasses.replace(self.options, engine=engine)
-        from tandem.backends.triton.lora_registry import AdapterRegistry
-        registry = AdapterRegistry(engine.lora_dir)
+        registry = engine.adapters()
         for name, path in pairs:
             if registry.get(name) is not None:
                 continue
-            from tandem.backends.lora.adapter import load_adapter
-            from tandem.backends.models.config import ModelConfig
             try:
-                load_adapter(name, path, ModelConfig.from_dir(engine.model_dir), engine.max_lora_rank)
+                registry.check(name, path)
                 registry.add(name, str(Path(path).resolve()))
             except (ValueError, OSError) as e:
                 raise ServerError(f"--lora-modules: {e}") from None

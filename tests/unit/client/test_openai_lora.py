@@ -4,6 +4,7 @@ base as parent, the model field naming one sends the base ensemble its lora_name
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def lora_app(tmp_path):
         seen.append(arrays)
         return steps(" ok")
     backend = FakeBackend(script, inputs=DEFAULT_DECLARED | {"lora_name"})
-    serving = LoRAServing(AdapterRegistry(tmp_path / "registry"), DEMO, max_rank=8)
+    config = json.loads((Path(DEMO) / "config.json").read_text())
+    serving = LoRAServing(AdapterRegistry(tmp_path / "registry", config, max_rank=8))
     app = create_app("unused:1", ["tandem"], model_dir=DEMO, lora=serving)
     app.state.frontend.backend = backend
     return app, serving, seen

@@ -16,6 +16,7 @@ from tandem.backends.engine.prefill_engine import PrefillEngine
 from tandem.backends.engine.sampler import sample
 
 from ..async_outputs import OutputCollector
+from ..engine_runs import run_all
 from ..tiny_checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -41,18 +42,6 @@ def poisoned(fn):
             raise RuntimeError("poisoned request")
         return fn(*args, **kwargs)
     return wrapper
-
-
-def run_all(llm, ps, params):
-    seqs = [llm.engine.make_sequence(p, sp) for p, sp in zip(ps, params)]
-    for s in seqs:
-        llm.engine.add(s)
-    finals = {}
-    while llm.engine.has_unfinished():
-        for out in llm.engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return seqs, finals
 
 
 @pytest.mark.parametrize("spec", [None, "draft_target"])

@@ -12,6 +12,7 @@ import torch
 from tandem.backends import LLM, SamplingParams, SpeculativeConfig
 from tandem.backends.engine.logprobs import PromptLogprobs, ranked
 
+from ..engine_runs import run_all
 from ..hf_reference import prompts
 
 K = 5
@@ -58,15 +59,9 @@ def test_prompt_logprobs_match_hf(tiny_checkpoint, chunk):
 
 
 def run(llm, prompts_, params):
-    seqs = [llm.engine.make_sequence(p, params) for p in prompts_]
-    for s in seqs:
-        llm.engine.add(s)
-    cached = {}
-    while llm.engine.has_unfinished():
-        for o in llm.engine.step():
-            if o.finished:
-                cached[o.request_id] = o.num_cached_tokens
-    return seqs, [cached[s.request_id] for s in seqs]
+    """(sequences, the prompt tokens the cache served each)."""
+    seqs, finals = run_all(llm, prompts_, [params] * len(prompts_))
+    return seqs, [finals[s.request_id].num_cached_tokens for s in seqs]
 
 
 def test_prompt_logprobs_ignore_the_prefix_cache(target_dir):
