@@ -5,13 +5,15 @@
 - ``small_m_linear.cpp``: a bf16 linear for 1 to 8 rows with AVX512-BF16 dot products,
   streaming the weight once (models/packed_linear.py); oneDNN's kernel reads it at about
   half the memory's bandwidth at these shapes.
+- ``lora_sgmv.cpp``: a layer's LoRA deltas for a batch mixing adapters in one call
+  (lora/ops.py), where torch spends a matmul pair, a gather and a scatter per adapter.
 
-Both go into one library built with ``-march=native`` into ``$TANDEM_KERNEL_CACHE_DIR``
+They go into one library built with ``-march=native`` into ``$TANDEM_KERNEL_CACHE_DIR``
 (else ``~/.cache/tandem/kernels``), named by this CPU's flags, torch's version and the
 sources, so later processes load it and another CPU never runs it. Without a compiler,
 or with ``TANDEM_CPU_KERNELS=0``, :func:`load` returns False and the callers keep their
 torch paths, which compute the same maths. ``TANDEM_CPU_KERNELS=attention`` (or
-``linear``) keeps one of them, for before/after measurements.
+``linear``, ``lora``, or a comma list) keeps those, for before/after measurements.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_m_linear.cpp"))
-KERNELS = ("attention", "linear")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_m_linear.cpp",
+                                                                   "lora_sgmv.cpp"))
+# a kernel's name (TANDEM_CPU_KERNELS) -> the op that tells it registered
+KERNELS = {"attention": "paged_attention", "linear": "small_m_linear", "lora": "lora_sgmv_"}
 
 
 def cxx_compiler() -> str | None:
@@ -106,7 +110,7 @@ def load(kernel: str) -> bool:
     :data:`KERNELS`) may run and ``torch.ops.tandem_cpu`` has it."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown CPU kernel {kernel!r}; known: {', '.join(KERNELS)}")
-    return enabled(kernel) and _registered("paged_attention" if kernel == "attention" else "small_m_linear")
+    return enabled(kernel) and _registered(KERNELS[kernel])
 
 
 @functools.cache

@@ -15,19 +15,21 @@ adds nothing). Two ways to compute it:
   they are in order already, as one sequence's prefill is).
 
 Measured here (``python -m tandem.client.bench.lora_ops [--dtype bfloat16]``: one thread
-of a 2-core AMD EPYC with AVX512-BF16, cores shared with other work; in=576, out=1536,
-rank 16; the 16 decode rows mix 4 adapters and the base; µs per call, median of 50):
+of a 2-core AMD EPYC with AVX512-BF16; in=576, out=1536, rank 16; the 16 decode rows mix
+4 adapters and the base; µs per call, median of 50; the fused kernel is
+backends/cpu_kernels/lora_sgmv.cpp, which always holds the adapters in fp32):
 
-=================  ==============  ===============  ==============  ===============
-batch              fp32 gathered   fp32 segmented   bf16 gathered   bf16 segmented
-=================  ==============  ===============  ==============  ===============
-decode, 1 row                  34               12              62               46
-decode, 16 rows               360               87             310              220
-prefill, 256 rows    6700 - 11000              270     4200 - 8200              210
-=================  ==============  ===============  ==============  ===============
+=================  ==============  ===============  ==============  ===============  =======
+batch              fp32 gathered   fp32 segmented   bf16 gathered   bf16 segmented   kernel
+=================  ==============  ===============  ==============  ===============  =======
+decode, 1 row                  34               18              62               56        7
+decode, 16 rows               358               97             310              230       28
+prefill, 256 rows            7095              276            4276              222      422
+=================  ==============  ===============  ==============  ===============  =======
 
-so the engine uses the segmented one; the gathered one stays as the reference shape
-of a fused GPU kernel (and for tests).
+so the engine runs the kernel for short steps and the segmented deltas for long ones
+(lora/batch.py); the gathered one stays as the reference shape of a fused GPU kernel
+(and for tests).
 
 >>> import torch
 >>> A, B = torch.zeros(2, 4, 2), torch.zeros(2, 2, 3)

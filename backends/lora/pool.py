@@ -72,11 +72,16 @@ class LoRAPool:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras={max_loras}, max_lora_rank={max_rank}; allowed: integers >= 1")
         self.config, self.max_loras, self.max_rank = cfg, max_loras, max_rank
-        self.device = torch.device(device)
+        self.device, self.dtype = torch.device(device), dtype
         shapes = module_shapes(cfg)
         self.A: dict[str, list[torch.Tensor]] = {}
         self.B: dict[str, list[torch.Tensor]] = {}
+        # per group, the output column where each module's part starts, and the end
+        self.part_cols: dict[str, list[int]] = {}
         for g, modules in GROUPS.items():
+            self.part_cols[g] = [0]
+            for m in modules:
+                self.part_cols[g].append(self.part_cols[g][-1] + shapes[m][1])
             fan_in = shapes[modules[0]][0]
             fan_out = sum(shapes[m][1] for m in modules)
             r = len(modules) * max_rank

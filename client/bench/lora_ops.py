@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.backends import cpu_kernels
 from tandem.backends.lora.adapter import ATTENTION_MODULES, TARGET_MODULES, module_shapes
 from tandem.backends.lora.ops import lora_delta_gathered, lora_delta_segmented, lora_segments
 
@@ -117,8 +118,12 @@ def main(argv=None) -> int:
     A = torch.randn(5, args.in_features, args.rank, dtype=dtype)
     B = torch.randn(5, args.rank, args.out_features, dtype=dtype)
     A[0] = B[0] = 0
-    print(f"{'batch':<20}{'gathered µs':>14}{'segmented µs':>14}   ({args.dtype}, in {args.in_features}, "
-          f"out {args.out_features}, rank {args.rank})")
+    A32, B32 = A.float(), B.float()
+    kernel = cpu_kernels.load("lora")
+    widths = torch.tensor([0] + [args.rank] * 4, dtype=torch.int32)
+    print(f"{'batch':<20}{'gathered µs':>14}{'segmented µs':>14}{'fused kernel µs':>17}   ({args.dtype} "
+          f"activations, fp32 adapters in the kernel, in {args.in_features}, out {args.out_features}, "
+          f"rank {args.rank})")
     for name, slots in CASES.items():
         x = torch.randn(len(slots), args.in_features, dtype=dtype)
         y = torch.zeros(len(slots), args.out_features, dtype=dtype)
@@ -126,7 +131,10 @@ def main(argv=None) -> int:
         segments = lora_segments(slots)
         g = time_us(lambda: lora_delta_gathered(x, A, B, idx), args.repeats)
         s = time_us(lambda: lora_delta_segmented(x, A, B, segments, out=y), args.repeats)
-        print(f"{name:<20}{g:>14.0f}{s:>14.0f}")
+        k = time_us(lambda: torch.ops.tandem_cpu.lora_sgmv_(y, x, A32, B32, idx.int(), widths,
+                                                            [0, args.out_features]),
+                    args.repeats) if kernel else float("nan")
+        print(f"{name:<20}{g:>14.0f}{s:>14.0f}{k:>17.0f}")
     return 0
 
 

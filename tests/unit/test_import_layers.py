@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "kv_cache": set(),
     "attention": {"kv_cache", "cpu_kernels"},
     "speculative": {"models"},
-    "lora": {"models"},
+    "lora": {"models", "cpu_kernels"},
     "engine": ENGINE_BELOW,
     "training": ENGINE_BELOW | {"engine"},
     "disagg": ENGINE_BELOW | {"engine", "rdma"},
