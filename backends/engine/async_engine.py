@@ -147,6 +147,7 @@ class AsyncEngine:
         self._inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()
 
     def _drain_inbox(self) -> list[tuple[OutputCallback, RequestOutput]]:
         ended = []

@@ -66,6 +66,12 @@ class EngineConfig:
     # Triton/`tandem serve` settings
     max_loras: int = 0
     max_lora_rank: int = 16
+    # tensor parallelism (vLLM's name): the target split over this many ranks, one process
+    # each (the engine's process is the leader), gloo between them on a CPU
+    # (backends/parallel); every collective gives up after tp_timeout_s, so a dead rank
+    # fails the step instead of hanging it
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
     dtype_reason: str = field(default="", compare=False)   # why this dtype (set with "auto")
 
     def __post_init__(self) -> None:
@@ -91,6 +97,16 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}; "
                              "allowed: max_loras >= 0 (0: no LoRA), max_lora_rank >= 1")
+        if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}, tp_timeout_s="
+                             f"{self.tp_timeout_s}; allowed: an integer >= 1 and seconds > 0")
+        if self.tensor_parallel_size > 1 and self.max_loras:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with max_loras="
+                             f"{self.max_loras}: LoRA adapters are not split over ranks yet; allowed: "
+                             "one of them")
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on {self.device}: ranks "
+                             "run on the CPU (gloo) so far; allowed: device cpu, or 1 rank")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages}; allowed: an integer >= 1")
         for name in ("kv_audit", "kv_audit_recompute"):
@@ -101,8 +117,9 @@ class EngineConfig:
 
     def compiles(self) -> bool:
         """Whether the engine compiles its decode step (a CPU with a C++ compiler for
-        inductor, and not ``enforce_eager``)."""
-        return self.device == "cpu" and not self.enforce_eager and cxx_compiler() is not None
+        inductor, not ``enforce_eager``, one rank: a compiled step holds a whole model)."""
+        return (self.device == "cpu" and not self.enforce_eager and self.tensor_parallel_size == 1
+                and cxx_compiler() is not None)
 
     def num_pages_for(self, model: ModelConfig) -> int:
         """``num_pages``, or the default pool size for ``model``."""

@@ -22,6 +22,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     top_logprobs: list[TopLogprobs] | None = None       # with SamplingParams.top_logprobs
     prompt_logprobs: PromptLogprobs | None = None       # with SamplingParams.prompt_logprobs
+    error: str | None = None        # with finish_reason "error": what went wrong
 
 
 class LLM:
@@ -77,17 +78,19 @@ class LLM:
             raise
         texts = {s.request_id: [] for s in seqs}
         reasons: dict[str, str] = {}
+        errors: dict[str, str | None] = {}
         while len(reasons) < len(seqs):
             for out in self.engine.step():
                 texts[out.request_id].append(out.new_text)
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
+                    errors[out.request_id] = out.error
         return [CompletionOutput(s.prompt_ids, list(s.output_ids), "".join(texts[s.request_id]),
                                  reasons[s.request_id],
                                  None if s.logprobs is None else list(s.logprobs),
                                  None if s.logprobs is None else s.cumulative_logprob,
                                  None if s.top_logprobs is None else list(s.top_logprobs),
-                                 s.prompt_logprobs)
+                                 s.prompt_logprobs, errors[s.request_id])
                 for s in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,

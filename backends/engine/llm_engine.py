@@ -58,14 +58,15 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
         dtype = self.model.embed_tokens.weight.dtype
         spec = config.speculative or SpeculativeConfig()
+        self.tp_group = self._start_ranks(kv_pool)
         if kv_pool is not None:
-            check_pool_fits(config, kv_pool, cfg, dtype)
+            check_pool_fits(config, kv_pool, self.model.rank_config, dtype)
             if spec.has_kv and proposer_kv_pool is None:
                 raise ValueError("speculative decoding on an external KV pool needs "
                                  "proposer_kv_pool: the draft KV lives next to the target's")
             self.allocator, self.pool = allocator, kv_pool
         else:
-            self.pool, self.allocator = make_kv_pool(config, cfg, dtype)
+            self.pool, self.allocator = make_kv_pool(config, self.model.rank_config, dtype)
         k = self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         # adapters apply to the target only: a proposer drafts from the base, the target
         # verifies with the request's adapter, so speculation stays lossless
@@ -73,7 +74,12 @@ class LLMEngine:
                                   lora_dtype(config.device, dtype)) \
             if config.max_loras else None
         # the target's runner first: it packs the target's lm_head, which an MTP head shares
-        self.runner = ModelRunner(self.model, self.pool, self.lora_pool)
+        if self.tp_group is None:
+            self.runner = ModelRunner(self.model, self.pool, self.lora_pool)
+        else:
+            from .tensor_parallel import TensorParallelRunner
+            self.runner = TensorParallelRunner(self.model, self.pool, self.tp_group)
+            self.tp_group.wait_ready()
         # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
         proposer = build_proposer(spec, config, self.model, self.pool.num_pages, proposer_kv_pool,
                                   lambda rid: not self.controller.backing_off(rid, "ngram")) \
@@ -100,6 +106,30 @@ class LLMEngine:
                                     self.controls, self.scheduler, self.spec_metrics, config.max_num_seqs)
             if spec.adaptive:
                 self.spec.seed_costs()
+
+    def _start_ranks(self, kv_pool: KVPagePool | None):
+        """With ``tensor_parallel_size`` > 1: the other ranks started (building their
+        shares while this process cuts its own) and the model cut to rank 0's share."""
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return None
+        from ..parallel.sharding import rank_config
+        from .tensor_parallel import shard_leader, start_ranks
+        if kv_pool is not None:
+            raise ValueError(f"tensor_parallel_size={tp} on an external KV pool: not supported yet; "
+                             "allowed: 1 rank there")
+        group = start_ranks(self.config, self.config.num_pages_for(rank_config(self.model.config, tp)))
+        try:
+            shard_leader(self.model, group)
+        except Exception:
+            group.stop()
+            raise
+        return group
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also end when this process does)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
 
     @property
     def proposer(self):

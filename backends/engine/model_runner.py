@@ -97,7 +97,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM | torch.nn.Module, pool: KVPagePool,
                  lora_pool: LoRAPool | None = None):
-        """``model`` has a ``config`` (head counts) and is called as a LlamaForCausalLM
+        """``model`` has a ``config`` and a ``rank_config`` (the head counts it computes:
+        a tensor-parallel rank's share, else its config) and is called as a LlamaForCausalLM
         by :meth:`forward`; an MTP head uses :meth:`attention` and calls itself.
         ``lora_pool``: the adapters a batch's ``lora_slots`` index (the target's only)."""
         self.model, self.pool, self.lora_pool = model, pool, lora_pool
@@ -116,7 +117,7 @@ class ModelRunner:
 
     def attention(self, batch: ForwardBatch, on_layer_done=None) -> tuple[StepInputs, PagedAttention]:
         inputs = prepare_inputs(batch, self.pool.page_size, self.device, self.lora_pool)
-        cfg, t = self.model.config, inputs.page_table
+        cfg, t = self.model.rank_config, inputs.page_table
         common = dict(num_qo_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                       page_size=self.pool.page_size, q_data_type=self.dtype,
                       kv_data_type=self.pool.kv.dtype)

@@ -1,7 +1,7 @@
 """Decoder building blocks of the Llama family, operating on ragged token rows [N, hidden]."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer)
+        # a tensor-parallel rank's sum of the o and down projections' partial outputs over
+        # the ranks (backends/parallel/sharding.py); None: the whole model is here
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x, cos, sin, attn: AttentionBackend, lora: LoRADelta | None = None) -> torch.Tensor:
+        if self.all_reduce is not None:
+            x = x + self.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, attn, lora))
+            return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x), lora))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)

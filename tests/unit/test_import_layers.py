@@ -2,6 +2,7 @@
 
     cpu_kernels, models, kv_cache -> attention -> speculative -> engine -> training | disagg -> triton -> client
     lora (adapters): on models, under engine
+    parallel (tensor-parallel sharding and rank groups): on models, under engine
     rdma: a leaf beside them, used by disagg, triton and client only
 
 No cycle either, between packages or between modules: the imports a module runs when
@@ -26,13 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"backends": "tandem.backends", "rdma": "tandem.rdma", "client": "tandem.client"}
 
 # what each layer may import besides itself ("lazy" is backends' PEP 562 helper)
-ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "cpu_kernels", "lora"}
+ENGINE_BELOW = {"models", "kv_cache", "attention", "speculative", "cpu_kernels", "lora", "parallel"}
 ALLOWED: dict[str, set[str]] = {
     "models": {"cpu_kernels"},
     "kv_cache": set(),
     "attention": {"kv_cache", "cpu_kernels"},
     "speculative": {"models"},
     "lora": {"models", "cpu_kernels"},
+    "parallel": {"models"},
     "engine": ENGINE_BELOW,
     "training": ENGINE_BELOW | {"engine"},
     "disagg": ENGINE_BELOW | {"engine", "rdma"},

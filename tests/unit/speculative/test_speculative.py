@@ -97,6 +97,7 @@ class OracleHead(nn.Module):
     def __init__(self, target, first_token: int, off_by_one: bool = False):
         super().__init__()
         self.config = dataclasses.replace(target.config, num_hidden_layers=1)
+        self.rank_config = self.config      # what a runner plans attention with, as MTPHead
         self.buffer = {0: first_token}
         self.off_by_one = off_by_one
         self.anchor = nn.Parameter(torch.zeros(1))   # device/dtype for the runner

@@ -1,0 +1,108 @@
+"""``tandem bench tp``: a decode step split over 2 tensor-parallel ranks (one thread
+each: a core per rank on a 2-core machine) against one rank with 2 threads, at batch 1
+and 16, per model and dtype.
+
+Both sides are the engine's own (``LLMEngine`` with ``enforce_eager``: a compiled step
+holds a whole model, so tensor parallelism runs eager, and one rank runs eager here too
+for a like-for-like step): ``runner.forward`` over a batch whose sequences each have
+``--context`` tokens of KV, then the logits of each sequence's last row, in wall ms
+(two processes work in a TP step, so one process's CPU time would not count it). The
+variants take turns (interleaved repeats) and each figure is the median with its spread.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tandem.client.bench.args import CommaList, model_path, names, positive_int, positive_ints
+from tandem.client.bench.repeats import fmt, spread
+from tandem.client.bench.report import header, write
+
+VARIANTS = {"tp1": dict(tensor_parallel_size=1, threads=2), "tp2": dict(tensor_parallel_size=2, threads=2)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=lambda s: CommaList(s.split(",")), default="demo,smollm2-135m-instruct",
+                   help="comma list of what --model takes (demo, a packaged name, a directory or .gguf)")
+    p.add_argument("--dtypes", type=names("float32", "bfloat16"), default="float32,bfloat16")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,16")
+    p.add_argument("--context", type=positive_int, default=128, help="tokens already in each sequence's KV")
+    p.add_argument("--steps", type=positive_int, default=30, help="decode steps per measurement")
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of every variant")
+    p.add_argument("--out", type=Path, default=Path("docs/bench/tp.json"))
+
+
+def make_engine(model_dir: Path, dtype: str, tp: int, threads: int, max_seqs: int, pages: int):
+    import torch
+
+    from tandem.backends.engine.config import EngineConfig
+    from tandem.backends.engine.llm_engine import LLMEngine
+    torch.set_num_threads(threads)       # a TP group shares these out: one per rank
+    return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, tensor_parallel_size=tp, enforce_eager=True,
+                                  enable_prefix_caching=False, max_num_seqs=max_seqs, num_pages=pages))
+
+
+def step_ms(engine, batch: int, context: int, steps: int) -> float:
+    """Wall ms per decode step of ``batch`` sequences at position ``context``."""
+    import torch
+
+    from tandem.backends.engine.model_runner import ForwardBatch
+    runner, ps = engine.runner, engine.config.page_size
+    per_seq = -(-(context + 1) // ps)
+    fb = ForwardBatch([[5]] * batch, [context] * batch,
+                      [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)])
+
+    def one():
+        inputs, hidden = runner.forward(fb)
+        runner.logits(hidden[inputs.last_rows])
+
+    with torch.inference_mode():
+        for _ in range(3):
+            one()
+        start = time.perf_counter()
+        for _ in range(steps):
+            one()
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    rows = []
+    report = {**header("tp", args), "context": args.context, "steps": args.steps, "repeats": args.repeats}
+    for model_dir in map(model_path, args.models):
+        for dtype in args.dtypes:
+            pages = max(args.batch_sizes) * -(-(args.context + 1) // 16)
+            engines = {}
+            try:
+                for name, v in VARIANTS.items():
+                    engines[name] = make_engine(model_dir, dtype, v["tensor_parallel_size"], v["threads"],
+                                                max(args.batch_sizes), pages)
+                for batch in args.batch_sizes:
+                    runs: dict[str, list[float]] = {name: [] for name in engines}
+                    for _ in range(args.repeats):
+                        for name, engine in engines.items():
+                            # TP 1 computes on 2 threads; a TP 2 leader on 1 (its rank has the other)
+                            torch.set_num_threads(engine.tp_group.threads if engine.tp_group else
+                                                  VARIANTS[name]["threads"])
+                            runs[name].append(step_ms(engine, batch, args.context, args.steps))
+                    row = dict(model=Path(model_dir).name, dtype=dtype, batch=batch,
+                               tp1_2_threads_ms=spread(runs["tp1"]), tp2_1_thread_each_ms=spread(runs["tp2"]),
+                               tp2_over_tp1=spread([b / a for a, b in zip(runs["tp1"], runs["tp2"])]))
+                    rows.append(row)
+                    print(f"{row['model']} {dtype} batch {batch}: TP1 (2 threads) {fmt(row['tp1_2_threads_ms'], 2)} ms"
+                          f"  TP2 (1 thread per rank) {fmt(row['tp2_1_thread_each_ms'], 2)} ms  TP2/TP1 "
+                          f"{fmt(row['tp2_over_tp1'], 2)}", flush=True)
+            finally:
+                for engine in engines.values():
+                    engine.close()
+    report["rows"] = rows
+    write(report, args.out)
+    lines = [f"# tandem bench tp", "", f"`{report['command']}`", "", f"{report['date']}; {report['machine']}", "",
+             "| model | dtype | batch | TP 1, 2 threads (ms/step) | TP 2, 1 thread per rank (ms/step) | TP2 / TP1 |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_2_threads_ms'], 2)} | "
+              f"{fmt(r['tp2_1_thread_each_ms'], 2)} | {fmt(r['tp2_over_tp1'], 2)} |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
+    return 0
