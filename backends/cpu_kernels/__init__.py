@@ -7,13 +7,15 @@
   half the memory's bandwidth at these shapes.
 - ``lora_sgmv.cpp``: a layer's LoRA deltas for a batch mixing adapters in one call
   (lora/ops.py), where torch spends a matmul pair, a gather and a scatter per adapter.
+- ``shm_all_reduce.cpp``: a tensor-parallel group's all-reduce through shared memory
+  (parallel/group.py), where gloo's TCP path costs a millisecond per call.
 
 They go into one library built with ``-march=native`` into ``$TANDEM_KERNEL_CACHE_DIR``
 (else ``~/.cache/tandem/kernels``), named by this CPU's flags, torch's version and the
 sources, so later processes load it and another CPU never runs it. Without a compiler,
 or with ``TANDEM_CPU_KERNELS=0``, :func:`load` returns False and the callers keep their
 torch paths, which compute the same maths. ``TANDEM_CPU_KERNELS=attention`` (or
-``linear``, ``lora``, or a comma list) keeps those, for before/after measurements.
+``linear``, ``lora``, ``all_reduce``, or a comma list) keeps those, for before/after measurements.
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_m_linear.cpp",
-                                                                   "lora_sgmv.cpp"))
+                                                                   "lora_sgmv.cpp", "shm_all_reduce.cpp"))
 # a kernel's name (TANDEM_CPU_KERNELS) -> the op that tells it registered
-KERNELS = {"attention": "paged_attention", "linear": "small_m_linear", "lora": "lora_sgmv_"}
+KERNELS = {"attention": "paged_attention", "linear": "small_m_linear", "lora": "lora_sgmv_",
+           "all_reduce": "shm_all_reduce_"}
 
 
 def cxx_compiler() -> str | None:

@@ -1,6 +1,8 @@
-"""``tandem bench tp``: a decode step split over 2 tensor-parallel ranks (one thread
+"""``tandem bench tp``: a decode step split over N tensor-parallel ranks (one thread
 each: a core per rank on a 2-core machine) against one rank with 2 threads, at batch 1
-and 16, per model and dtype.
+and 16, per model and dtype. N is ``--tp``, or by default the smallest size above 1
+that splits the model (2 for the demo; 3 for SmolLM2-135M, whose 9 heads and 3 KV heads
+2 does not divide: 3 ranks then share the 2 cores).
 
 Both sides are the engine's own (``LLMEngine`` with ``enforce_eager``: a compiled step
 holds a whole model, so tensor parallelism runs eager, and one rank runs eager here too
@@ -19,7 +21,7 @@ from tandem.client.bench.args import CommaList, model_path, names, positive_int,
 from tandem.client.bench.repeats import fmt, spread
 from tandem.client.bench.report import header, write
 
-VARIANTS = {"tp1": dict(tensor_parallel_size=1, threads=2), "tp2": dict(tensor_parallel_size=2, threads=2)}
+THREADS = 2      # one rank's threads; N ranks share them out (at least one each)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of what --model takes (demo, a packaged name, a directory or .gguf)")
     p.add_argument("--dtypes", type=names("float32", "bfloat16"), default="float32,bfloat16")
     p.add_argument("--batch-sizes", type=positive_ints, default="1,16")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="ranks of the split side (default: the smallest size above 1 that splits each model)")
     p.add_argument("--context", type=positive_int, default=128, help="tokens already in each sequence's KV")
     p.add_argument("--steps", type=positive_int, default=30, help="decode steps per measurement")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of every variant")
@@ -41,6 +45,20 @@ def make_engine(model_dir: Path, dtype: str, tp: int, threads: int, max_seqs: in
     torch.set_num_threads(threads)       # a TP group shares these out: one per rank
     return LLMEngine(EngineConfig(str(model_dir), dtype=dtype, tensor_parallel_size=tp, enforce_eager=True,
                                   enable_prefix_caching=False, max_num_seqs=max_seqs, num_pages=pages))
+
+
+def smallest_split(model_dir: Path) -> int:
+    """The smallest rank count above 1 that splits the model's heads and MLP."""
+    from tandem.backends.models.config import ModelConfig
+    from tandem.backends.parallel.sharding import check_tp
+    cfg = ModelConfig.from_dir(str(model_dir))
+    for tp in range(2, cfg.num_attention_heads + 1):
+        try:
+            check_tp(cfg, tp)
+            return tp
+        except ValueError:
+            continue
+    raise ValueError(f"{model_dir}: no rank count above 1 splits this model")
 
 
 def step_ms(engine, batch: int, context: int, steps: int) -> float:
@@ -69,40 +87,41 @@ def step_ms(engine, batch: int, context: int, steps: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
     rows = []
-    report = {**header("tp", args), "context": args.context, "steps": args.steps, "repeats": args.repeats}
-    for model_dir in map(model_path, args.models):
+    report = {**header("tp", args), "context": args.context, "steps": args.steps, "repeats": args.repeats,
+              "threads_per_rank": 1, "threads_one_rank": THREADS}
+    for name in args.models:
+        model_dir = model_path(name)
+        tp = args.tp or smallest_split(model_dir)
         for dtype in args.dtypes:
             pages = max(args.batch_sizes) * -(-(args.context + 1) // 16)
             engines = {}
             try:
-                for name, v in VARIANTS.items():
-                    engines[name] = make_engine(model_dir, dtype, v["tensor_parallel_size"], v["threads"],
-                                                max(args.batch_sizes), pages)
+                for size in (1, tp):
+                    engines[size] = make_engine(model_dir, dtype, size, THREADS, max(args.batch_sizes), pages)
                 for batch in args.batch_sizes:
-                    runs: dict[str, list[float]] = {name: [] for name in engines}
+                    runs: dict[int, list[float]] = {size: [] for size in engines}
                     for _ in range(args.repeats):
-                        for name, engine in engines.items():
-                            # TP 1 computes on 2 threads; a TP 2 leader on 1 (its rank has the other)
-                            torch.set_num_threads(engine.tp_group.threads if engine.tp_group else
-                                                  VARIANTS[name]["threads"])
-                            runs[name].append(step_ms(engine, batch, args.context, args.steps))
-                    row = dict(model=Path(model_dir).name, dtype=dtype, batch=batch,
-                               tp1_2_threads_ms=spread(runs["tp1"]), tp2_1_thread_each_ms=spread(runs["tp2"]),
-                               tp2_over_tp1=spread([b / a for a, b in zip(runs["tp1"], runs["tp2"])]))
+                        for size, engine in engines.items():
+                            # one rank computes on 2 threads; a split's leader on its share
+                            torch.set_num_threads(engine.tp_group.threads if engine.tp_group else THREADS)
+                            runs[size].append(step_ms(engine, batch, args.context, args.steps))
+                    row = dict(model=name, dtype=dtype, batch=batch, tp=tp,
+                               tp1_ms=spread(runs[1]), tpn_ms=spread(runs[tp]),
+                               tpn_over_tp1=spread([b / a for a, b in zip(runs[1], runs[tp])]))
                     rows.append(row)
-                    print(f"{row['model']} {dtype} batch {batch}: TP1 (2 threads) {fmt(row['tp1_2_threads_ms'], 2)} ms"
-                          f"  TP2 (1 thread per rank) {fmt(row['tp2_1_thread_each_ms'], 2)} ms  TP2/TP1 "
-                          f"{fmt(row['tp2_over_tp1'], 2)}", flush=True)
+                    print(f"{row['model']} {dtype} batch {batch}: TP 1 ({THREADS} threads) {fmt(row['tp1_ms'], 2)} ms"
+                          f"  TP {tp} (1 thread per rank) {fmt(row['tpn_ms'], 2)} ms  TP{tp}/TP1 "
+                          f"{fmt(row['tpn_over_tp1'], 2)}", flush=True)
             finally:
                 for engine in engines.values():
                     engine.close()
     report["rows"] = rows
     write(report, args.out)
     lines = [f"# tandem bench tp", "", f"`{report['command']}`", "", f"{report['date']}; {report['machine']}", "",
-             "| model | dtype | batch | TP 1, 2 threads (ms/step) | TP 2, 1 thread per rank (ms/step) | TP2 / TP1 |",
-             "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_2_threads_ms'], 2)} | "
-              f"{fmt(r['tp2_1_thread_each_ms'], 2)} | {fmt(r['tp2_over_tp1'], 2)} |" for r in rows]
+             f"| model | dtype | batch | TP 1, {THREADS} threads (ms/step) | TP N | TP N, 1 thread per rank (ms/step) "
+             "| TP N / TP 1 |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_ms'], 2)} | {r['tp']} | "
+              f"{fmt(r['tpn_ms'], 2)} | {fmt(r['tpn_over_tp1'], 2)} |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
     return 0

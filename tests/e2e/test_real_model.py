@@ -107,6 +107,24 @@ def test_auto_drafts_with_the_head_trained_for_this_model(api):
     assert not any("drafting by prompt lookup only" in line for line in output), "".join(output)
 
 
+def test_three_ranks_answer_as_transformers(gguf_file, hf_answers):
+    """The offline engine split over 3 tensor-parallel ranks (SmolLM2's 9 heads and 3 KV
+    heads do not split over 2), fp32: the same greedy answers as transformers."""
+    import transformers
+
+    from tandem.backends import LLM, SamplingParams
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    llm = LLM(MODEL, dtype="float32", tensor_parallel_size=3, max_num_seqs=2)
+    try:
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_dict=True)["input_ids"] for q in QUESTIONS]
+        outs = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    finally:
+        llm.engine.close()
+    for q, out in zip(QUESTIONS, outs):
+        assert tokenizer.decode(out.token_ids, skip_special_tokens=True) == hf_answers[q], q
+
+
 def varied_corpus(n: int = 10_500) -> list[str]:
     """``n`` non-empty lines: Python source from the standard library (code), the
     sentences of its documentation topics (prose), and words of many scripts, emoji,

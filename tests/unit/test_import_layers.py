@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"kv_cache", "cpu_kernels"},
     "speculative": {"models"},
     "lora": {"models", "cpu_kernels"},
-    "parallel": {"models"},
+    "parallel": {"models", "cpu_kernels"},
     "engine": ENGINE_BELOW,
     "training": ENGINE_BELOW | {"engine"},
     "disagg": ENGINE_BELOW | {"engine", "rdma"},

@@ -57,6 +57,12 @@ def test_two_ranks_match_one_rank_and_hf(tiny_checkpoint, engines):
     assert llm.engine.prefix.allocator.stats.hit_pages > 0
 
 
+def test_the_trained_demo_target_on_two_ranks_matches_hf(engines):
+    from tandem.client.paths import DEMO_CHECKPOINTS
+    target, ps = DEMO_CHECKPOINTS / "target", prompts()
+    assert tokens(engines(target, tensor_parallel_size=2), ps) == hf_greedy(target, ps)
+
+
 def test_four_ranks_replicate_kv_heads(target_dir, engines):
     ps = prompts(4)
     llm = engines(target_dir, tensor_parallel_size=4)
