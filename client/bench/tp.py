@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tandem.client.bench.args import CommaList, model_path, names, positive_int, positive_ints
 from tandem.client.bench.repeats import fmt, spread
-from tandem.client.bench.report import header, write
+from tandem.client.bench.report import cpu_info, header, write
 
 THREADS = 2      # one rank's threads; N ranks share them out (at least one each)
 
@@ -87,6 +87,7 @@ def step_ms(engine, batch: int, context: int, steps: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
     rows = []
+    print(f"CPU {cpu_info()['model']} ({', '.join(cpu_info()['flags'])})", flush=True)
     report = {**header("tp", args), "context": args.context, "steps": args.steps, "repeats": args.repeats,
               "threads_per_rank": 1, "threads_one_rank": THREADS}
     for name in args.models:
@@ -117,11 +118,19 @@ def run(args: argparse.Namespace) -> int:
                     engine.close()
     report["rows"] = rows
     write(report, args.out)
-    lines = [f"# tandem bench tp", "", f"`{report['command']}`", "", f"{report['date']}; {report['machine']}", "",
-             f"| model | dtype | batch | TP 1, {THREADS} threads (ms/step) | TP N | TP N, 1 thread per rank (ms/step) "
-             "| TP N / TP 1 |", "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_ms'], 2)} | {r['tp']} | "
-              f"{fmt(r['tpn_ms'], 2)} | {fmt(r['tpn_over_tp1'], 2)} |" for r in rows]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
     return 0
+
+
+def markdown(report: dict) -> str:
+    cpu = report["cpu"]
+    lines = ["# tandem bench tp", "", f"`{report['command']}`", "", f"{report['date']}; {report['machine']}", "",
+             f"CPU: {cpu['model']}, flags {', '.join(cpu['flags']) or 'none of note'}; {report['context']} tokens of "
+             f"KV per sequence; wall ms per decode step (forward and the logits of each sequence's last row), eager "
+             f"on both sides; medians of {report['repeats']} interleaved repeats (min–max).", "",
+             f"| model | dtype | batch | TP 1, {report['threads_one_rank']} threads (ms/step) | TP N | TP N, 1 thread "
+             "per rank (ms/step) | TP N / TP 1 |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_ms'], 2)} | {r['tp']} | "
+              f"{fmt(r['tpn_ms'], 2)} | {fmt(r['tpn_over_tp1'], 2)} |" for r in report["rows"]]
+    return "\n".join(lines) + "\n"
