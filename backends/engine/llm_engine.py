@@ -258,13 +258,21 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One batched forward. A request whose part of the step raises ends alone
-        (finish_reason "error", the cause named); the others go on."""
+        (finish_reason "error", the cause named); the others go on. With tensor-parallel
+        ranks, a broken group (a rank died) raises, before a step or after the one it
+        broke in, naming the rank: the engine cannot serve until it is started anew (a
+        server's engine thread stops on it, ending every open request UNAVAILABLE with
+        the cause, and the model is restarted)."""
+        if self.tp_group is not None:
+            self.tp_group.check()
         plan = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.step_began()
         if not plan.seqs:
             return []
         outputs = isolate(plan.seqs, self._step, lambda s, exc: self.outputs.fail(s.seq, exc))
+        if self.tp_group is not None:   # a rank died in this step: stop now, not at the next
+            self.tp_group.check()
         if self.prefix is not None:   # after the proposer caught up: its KV is complete too
             for s in plan.seqs:
                 if not s.seq.is_finished:

@@ -126,8 +126,10 @@ class RankGroup:
                                            wait_for_workers=False)
         shm_path = make_segment(tp)
         ctx = multiprocessing.get_context("spawn")
-        if os.path.basename(sys.executable).startswith("python"):
-            ctx.set_executable(sys.executable)
+        # the ranks run this environment's interpreter (in a Triton stub sys.executable
+        # is the stub, not a Python)
+        ctx.set_executable(sys.executable if os.path.basename(sys.executable).startswith("python")
+                           else os.path.join(sys.prefix, "bin", "python3"))
         self.procs, self.conns = [], []
         for rank in range(1, tp):
             parent, child = ctx.Pipe()

@@ -157,6 +157,9 @@ class EngineSettings:
         "or the lora_name / lora_task_id input (default: %(default)s = no LoRA)"))
     max_lora_rank: int = setting(16, "--max-lora-rank", "the largest adapter rank the slots hold (default: %(default)s)")
     lora_dir: str = ""                    # the server's adapter registry (tandem serve: <run dir>/loras)
+    tensor_parallel_size: int = setting(1, "--tp", metavar="N", help=(
+        "tensor-parallel ranks of the engine: the model split over N processes on this host (the model's stub and "
+        "N - 1 it starts), sharing its --threads; colocated mode only so far (default: %(default)s)"))
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -313,7 +316,8 @@ class EngineSettings:
                     compile=self.compile,
                     compile_cache_dir=self.compile_cache_dir or None, enforce_eager=self.enforce_eager,
                     kv_audit=self.kv_audit, kv_audit_recompute=self.kv_audit_recompute,
-                    max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+                    max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                    tensor_parallel_size=self.tensor_parallel_size)
 
     def adapters(self):
         """The server's LoRA adapter registry (:mod:`.lora_registry`), or None without LoRA."""

@@ -155,6 +155,14 @@ class ServeOptions:
             raise ServerError(problem)
         if any(c in engine.faults for c in '"\\\n'):
             raise ServerError(f"--faults {engine.faults!r}: quotes, backslashes and line breaks are not allowed")
+        if engine.tensor_parallel_size < 1:
+            raise ServerError(f"--tp {engine.tensor_parallel_size}; allowed: an integer >= 1")
+        if engine.tensor_parallel_size > 1 and self.mode != "colocated":
+            raise ServerError(f"--tp {engine.tensor_parallel_size} with --mode {self.mode}: tensor parallelism "
+                              "runs in the colocated engine only so far; allowed: --mode colocated, or --tp 1")
+        if engine.tensor_parallel_size > 1 and engine.max_loras:
+            raise ServerError(f"--tp {engine.tensor_parallel_size} with --max-loras {engine.max_loras}: LoRA "
+                              "adapters are not split over ranks yet; allowed: one of them")
         values = {k: "" if v is None else str(int(v) if isinstance(v, bool) else v)
                   for k, v in asdict(engine).items()}
         values |= {"mode": self.mode, "ensemble_name": self.ensemble_name, "decode_idle_threads": "0",

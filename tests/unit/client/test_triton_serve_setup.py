@@ -568,3 +568,21 @@ def test_every_model_config_parses(name):
     takes the model, and the server's readiness, down): parse each as Triton does."""
     cfg = _config(name)
     assert cfg.name == name
+
+
+@pytest.mark.parametrize("options,problem", [
+    (dict(mode="disaggregated", tensor_parallel_size=2), "--tp 2 with --mode disaggregated: tensor parallelism "
+                                                         "runs in the colocated engine only so far"),
+    (dict(mode="both", tensor_parallel_size=2), "--tp 2 with --mode both"),
+    (dict(mode="colocated", tensor_parallel_size=2, max_loras=1), "--tp 2 with --max-loras 1"),
+    (dict(mode="colocated", tensor_parallel_size=0), "--tp 0; allowed: an integer >= 1"),
+])
+def test_a_tensor_parallel_split_the_server_cannot_run_is_refused(tmp_path, options, problem):
+    with pytest.raises(ServerError, match=re.escape(problem)):
+        ServeOptions.of(model_dir=str(tmp_path), **options).template_values()
+
+
+def test_the_colocated_engine_gets_its_tensor_parallel_size(tmp_path):
+    options = ServeOptions.of(model_dir=str(tmp_path), mode="colocated", tensor_parallel_size=2)
+    repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
+    assert 'key: "tensor_parallel_size" value: { string_value: "2" }' in (repo / "llm" / "config.pbtxt").read_text()

@@ -82,25 +82,24 @@ def test_speculation_stays_lossless_on_two_ranks(target_dir, other_draft_dir, ra
     assert llm.engine.spec_metrics.num_draft_tokens > 0
 
 
-def test_a_dead_rank_fails_its_requests_by_name_and_breaks_the_group(target_dir, engines):
+def test_a_dead_rank_stops_the_engine_by_name(target_dir, engines):
+    """A rank that died between steps: the next step raises, naming it (a server's
+    engine thread stops on it and the model is restarted), and so does every later one."""
     llm = engines(target_dir, tensor_parallel_size=2, tp_timeout_s=20)
     ps = prompts(2)
     assert tokens(llm, ps) == hf_greedy(target_dir, ps)
     rank1 = llm.engine.tp_group.procs[0]
     rank1.kill()
     rank1.join(10)
-    outs = llm.generate(ps, GREEDY)
-    assert [o.finish_reason for o in outs] == ["error", "error"]
-    assert all("rank 1" in o.error and "exited" in o.error for o in outs), outs[0].error
+    with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(ps, GREEDY)
     with pytest.raises(RankFailed, match="broken"):
-        llm.engine.tp_group.check()
-    outs = llm.generate(ps[:1], GREEDY)      # and later requests, at once
-    assert outs[0].finish_reason == "error" and "broken" in outs[0].error
+        llm.engine.step()
 
 
-def test_a_rank_that_dies_inside_a_step_fails_it_without_a_hang(target_dir, engines, monkeypatch):
-    """Killed right after it was sent a step: the leader's next all-reduce finds its
-    socket closed (or gives up after tp_timeout_s) and the step's requests fail."""
+def test_a_rank_that_dies_inside_a_step_stops_the_engine_without_a_hang(target_dir, engines, monkeypatch):
+    """Killed right after it was sent a step: the leader's next all-reduce finds it gone
+    (or gives up after tp_timeout_s), and that step raises, naming it."""
     llm = engines(target_dir, tensor_parallel_size=2, tp_timeout_s=20)
     group = llm.engine.tp_group
     send, sent = group.send, []
@@ -112,9 +111,15 @@ def test_a_rank_that_dies_inside_a_step_fails_it_without_a_hang(target_dir, engi
             group.procs[0].kill()
 
     monkeypatch.setattr(group, "send", send_then_kill)
-    outs = llm.generate(prompts(2), GREEDY)
-    assert [o.finish_reason for o in outs] == ["error", "error"]
-    assert all("all-reduce" in o.error or "rank 1" in o.error for o in outs), outs[0].error
+    ps = prompts(2)
+    for p in ps:
+        llm.engine.add(llm.engine.make_sequence(p, GREEDY))
+    with pytest.raises(RankFailed, match="rank 1"):   # the step it died in stops the engine
+        while True:
+            llm.engine.step()
+    assert len(sent) == 3
+    with pytest.raises(RankFailed, match="broken"):
+        llm.engine.step()
 
 
 def test_the_ranks_end_with_the_engine(target_dir):

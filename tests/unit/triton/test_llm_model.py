@@ -29,7 +29,8 @@ def test_initialize_configures_engine_and_threads(model, ckpt_dir):
                                  max_num_seqs=64, max_num_batched_tokens=512, speculative=None,
                                  enable_prefix_caching=True, model_version="1",
                                  compile="auto", compile_cache_dir=None, enforce_eager=False, kv_audit=0.01,
-                                 kv_audit_recompute=0.0, max_loras=0, max_lora_rank=16)
+                                 kv_audit_recompute=0.0, max_loras=0, max_lora_rank=16,
+                                 tensor_parallel_size=1)
     assert torch.get_num_threads() == 1
 
 

@@ -1,0 +1,104 @@
+"""``tandem serve --mode colocated --tp 2`` on a real tritonserver: the llm stub splits the
+demo target with a rank process it starts, and the greedy text through the
+``tandem_colocated`` ensemble is the one-rank offline engine's; the rank SIGKILLed, the
+next request fails, the stub exits (its engine cannot serve), readiness drops, the
+supervisor restarts the model with a new rank, and the text is right again; stopping
+the server leaves no rank behind."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.client.generate import stream_generate
+from tandem.client.serve.triton_server import stub_processes
+
+from .triton_calls import eventually
+
+pytestmark = pytest.mark.e2e
+SETTINGS = dict(max_num_seqs=8, page_size=4)
+PROMPT, MAX_TOKENS = "def fibonacci(n):\n    ", 12
+ENSEMBLE = "tandem_colocated"
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes a stub started (multiprocessing's spawned
+    children; its resource tracker is not one)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    with serve("serve-tp", 300, mode="colocated", tensor_parallel_size=2, torch_threads=2, **SETTINGS) as srv:
+        yield srv
+        ranks = [r for s in srv.stubs() if s.model == "llm" for r in ranks_of(s.pid)]
+        srv.stop()
+        assert stub_processes(srv.run_dir) == []
+        eventually(lambda: not any(alive(r) for r in ranks), timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def reference(greedy_reference):
+    return greedy_reference(MAX_TOKENS, **SETTINGS)(PROMPT).text
+
+
+def text(server) -> str:
+    rs = list(stream_generate(server.grpc_url, PROMPT, model=ENSEMBLE, timeout_s=60, max_tokens=MAX_TOKENS,
+                              temperature=0.0, stream=True))
+    return "".join(r.text for r in rs)
+
+
+def llm_stub(server):
+    """The live llm stub (None between its death and its restart)."""
+    return next((s for s in server.stubs() if s.model == "llm"), None)
+
+
+def test_two_ranks_serve_the_one_rank_engines_text(server, reference):
+    stub = llm_stub(server)
+    assert len(ranks_of(stub.pid)) == 1, "the llm stub started one rank process"
+    assert text(server) == reference
+
+
+def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
+    stub = llm_stub(server)
+    (rank,) = ranks_of(stub.pid)
+    os.kill(rank, 9)
+    with pytest.raises(Exception):     # the engine stops: this request ends with an error
+        text(server)
+
+    def restarted():
+        new = llm_stub(server)
+        assert new is not None and new.pid != stub.pid and len(ranks_of(new.pid)) == 1
+    eventually(restarted, timeout_s=180)
+    server.wait_model_ready(ENSEMBLE, timeout_s=180)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if text(server) == reference:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "the restarted model never served the right text"
+        time.sleep(0.5)
+    assert not alive(rank) and not alive(stub.pid)
