@@ -15,7 +15,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.config import EngineConfig
 from ..engine.prefix_caching import model_root
 from ..engine.remote_prefill import RECOMPUTE, KVTransferFailed
-from .kv_views import shared_page_pool
+from .kv_views import RankShare, shared_page_pool
 from .pool import TARGET
 from .shared_cache import SharedCachingAllocator
 
@@ -140,6 +140,10 @@ def decode_engine(pool: SharedKVPool, model_dir: str, rank: int = 0, **engine_ar
             raise ValueError(f"speculative method {spec.method!r} keeps its KV as "
                              f"{spec.kv_name!r}; the shared pool holds {have}")
         proposer_pool = shared_page_pool(pool, rank, spec.kv_name)
+    if pool.spec.scheme.tp_size != config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}, but the shared pool "
+                         f"{pool.spec.name!r} is split for {pool.spec.scheme.tp_size} decode rank(s)")
+    ranks = RankShare(pool.spec.name, TARGET) if config.tensor_parallel_size > 1 else None
     return AsyncEngine(model_dir, kv_pool=shared_page_pool(pool, rank, TARGET),
                        allocator=allocator, proposer_kv_pool=proposer_pool,
-                       kv_load_failure_policy=failure_policy, **engine_args)
+                       kv_load_failure_policy=failure_policy, rank_kv_pools=ranks, **engine_args)

@@ -5,7 +5,8 @@ its :class:`~tandem.backends.kv_cache.KVPagePool`. These two views are the whole
 boundary between them (no Triton here):
 
 - :func:`shared_page_pool` — a ``KVPagePool`` over one decode rank's KV in a
-  :class:`~tandem.rdma.SharedKVPool` (the decode engine's cache);
+  :class:`~tandem.rdma.SharedKVPool` (the decode engine's cache), and
+  :class:`RankShare`, the same mapped by name in a tensor-parallel rank's process;
 - :func:`source_pool` — a prefill engine's ``KVPagePool`` as a
   :class:`~tandem.rdma.SourcePool` (what :class:`~tandem.rdma.KVSender` sends from).
 
@@ -16,9 +17,12 @@ boundary between them (no Triton here):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.rdma import ModelSpec, SharedKVPool, ShardScheme, SourcePool
+from tandem.rdma.pool_layout import kv_path, map_file, read_spec
 
 from ..kv_cache import KVPagePool
 
@@ -31,6 +35,23 @@ def shared_page_pool(pool: SharedKVPool, rank: int, model: str) -> KVPagePool:
                       pool.spec.scheme.heads_per_rank(m.num_kv_heads), m.page_size,
                       m.head_dim, getattr(torch, m.dtype), m.kv_layout,
                       buffer=torch.frombuffer(pool.kv(rank, model), dtype=torch.uint8))
+
+
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """One model's KV of decode rank ``rank`` in a shared pool, by the pool's name: what a
+    tensor-parallel rank process maps (``RankShare(pool_name, model)(rank)``), without
+    the control block: the leader's process owns the pool's pages and reservations."""
+    pool_name: str
+    model: str
+
+    def __call__(self, rank: int) -> KVPagePool:
+        spec = read_spec(self.pool_name)
+        m = next(x for x in spec.models if x.name == self.model)
+        _, mapping = map_file(kv_path(spec.name, rank, m.name), spec.kv_bytes(m), create=False)
+        return KVPagePool(m.num_layers, spec.num_pages, spec.scheme.heads_per_rank(m.num_kv_heads), m.page_size,
+                          m.head_dim, getattr(torch, m.dtype), m.kv_layout,
+                          buffer=torch.frombuffer(mapping, dtype=torch.uint8))
 
 
 def source_pool(name: str, page_pool: KVPagePool,

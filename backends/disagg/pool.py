@@ -5,7 +5,7 @@ derive the same spec from the same settings.
 """
 from __future__ import annotations
 
-from tandem.rdma import ModelSpec, PoolSpec
+from tandem.rdma import ModelSpec, PoolSpec, ShardScheme
 from tandem.rdma.plan import DTYPE_SIZES
 
 from ..engine.prefill_engine import TARGET  # the target model's KV in the pool
@@ -26,26 +26,37 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
                      num_pages: int, num_slots: int = 256,
                      speculative: SpeculativeConfig | None = None,
                      headroom_pages: int | None = 0, max_num_seqs: int = 64,
-                     prefix_caching: bool = False) -> PoolSpec:
+                     prefix_caching: bool = False, tp: int = 1) -> PoolSpec:
     """``name`` keys the shared-memory files: include model name, version and instance.
     With speculation the proposer's KV (draft model or MTP head) sits next to the
     target's under the same page ids, and one reservation carries both.
 
     ``headroom_pages`` stay free of reservations for the decoder's running sequences
     (None: :func:`default_headroom`). With ``prefix_caching`` the pool keeps decode's
-    prefix cache, a reservation sharing up to a whole context's pages of it."""
+    prefix cache, a reservation sharing up to a whole context's pages of it.
+
+    ``tp``: the decode engine's tensor-parallel ranks; each holds its KV heads in its own
+    file, split as the engine splits them (KV heads replicated over ranks where there
+    are fewer heads than ranks). A proposer's KV (draft model, MTP head) is not split
+    over ranks yet, so speculation with one is refused there."""
     def kv(kv_name, cfg):
         return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                          page_size, dtype, kv_layout)
     target = ModelConfig.from_dir(model_dir)
     models = (kv(TARGET, target),)
     if speculative is not None and speculative.has_kv:
+        if tp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} with speculative method {speculative.method!r} on the "
+                             "disaggregated decode pool: the proposer's KV is not split over ranks yet; allowed: "
+                             "ngram or no speculation, or 1 rank")
         models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
     if headroom_pages is None:
         headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)
     max_pins = min(num_pages, pages_needed(target.max_position_embeddings, page_size)) \
         if prefix_caching else 0
-    return PoolSpec(name, models, num_pages, num_slots=num_slots,
+    kv_heads = target.num_key_value_heads
+    scheme = ShardScheme(tp, replica_sets=tp // kv_heads if kv_heads < tp else 1)
+    return PoolSpec(name, models, num_pages, scheme=scheme, num_slots=num_slots,
                     context_bytes=context_nbytes(model_dir, dtype),
                     headroom_pages=min(headroom_pages, num_pages - 1), max_pins=max_pins)
 

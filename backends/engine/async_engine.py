@@ -36,13 +36,14 @@ class AsyncEngine:
 
     def __init__(self, model_dir: str, kv_pool=None, allocator=None, proposer_kv_pool=None,
                  on_fatal: FatalCallback | None = None, kv_load_failure_policy: str = RECOMPUTE,
-                 **engine_args):
+                 rank_kv_pools=None, **engine_args):
         """``engine_args`` are :class:`EngineConfig`'s fields (dtype, page_size, ...);
         ``kv_pool``, ``allocator`` (and ``proposer_kv_pool`` with speculation) put the KV
-        on an external (shared) pool; ``kv_load_failure_policy``: what a request whose
-        transfer failed gets (:mod:`.remote_prefill`)."""
+        on an external (shared) pool, ``rank_kv_pools`` each tensor-parallel rank's
+        share of it; ``kv_load_failure_policy``: what a request whose transfer failed
+        gets (:mod:`.remote_prefill`)."""
         self.engine = LLMEngine(EngineConfig(str(model_dir), **engine_args), kv_pool, allocator,
-                                proposer_kv_pool)
+                                proposer_kv_pool, rank_kv_pools)
         self.on_fatal = on_fatal
         self.failure: BaseException | None = None   # why the loop stopped, if it failed
         # waiting for their KV (disaggregated prefill)

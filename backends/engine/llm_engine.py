@@ -6,6 +6,7 @@ token deltas out. What a step needs lives beside it: input processing
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 from concurrent.futures import wait
 
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
@@ -40,10 +41,14 @@ __all__ = ["LLMEngine", "RequestOutput"]
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_pool: KVPagePool | None = None,
                  allocator: KVAllocator | None = None,
-                 proposer_kv_pool: KVPagePool | None = None):
+                 proposer_kv_pool: KVPagePool | None = None,
+                 rank_kv_pools: Callable[[int], KVPagePool] | None = None):
         """``kv_pool`` and ``allocator`` (both or neither) put the target's KV on an
         external pool, e.g. the decode pool shared with the KV receiver; with speculation
-        ``proposer_kv_pool`` holds the draft's (or MTP head's) KV there too."""
+        ``proposer_kv_pool`` holds the draft's (or MTP head's) KV there too. With
+        tensor-parallel ranks and an external pool (rank 0's share),
+        ``rank_kv_pools(rank)`` gives each other rank its share (picklable: it runs in
+        the rank's process)."""
         config.validate()
         if (kv_pool is None) != (allocator is None):
             raise ValueError("kv_pool and allocator go together: pass both or neither")
@@ -58,7 +63,7 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids + generation_eos_ids(config.model_dir))
         dtype = self.model.embed_tokens.weight.dtype
         spec = config.speculative or SpeculativeConfig()
-        self.tp_group = self._start_ranks(kv_pool)
+        self.tp_group = self._start_ranks(kv_pool, rank_kv_pools)
         if kv_pool is not None:
             check_pool_fits(config, kv_pool, self.model.rank_config, dtype)
             if spec.has_kv and proposer_kv_pool is None:
@@ -107,7 +112,7 @@ class LLMEngine:
             if spec.adaptive:
                 self.spec.seed_costs()
 
-    def _start_ranks(self, kv_pool: KVPagePool | None):
+    def _start_ranks(self, kv_pool: KVPagePool | None, rank_kv_pools):
         """With ``tensor_parallel_size`` > 1: the other ranks started (building their
         shares while this process cuts its own) and the model cut to rank 0's share."""
         tp = self.config.tensor_parallel_size
@@ -115,10 +120,12 @@ class LLMEngine:
             return None
         from ..parallel.sharding import rank_config
         from .tensor_parallel import shard_leader, start_ranks
-        if kv_pool is not None:
-            raise ValueError(f"tensor_parallel_size={tp} on an external KV pool: not supported yet; "
-                             "allowed: 1 rank there")
-        group = start_ranks(self.config, self.config.num_pages_for(rank_config(self.model.config, tp)))
+        if kv_pool is not None and rank_kv_pools is None:
+            raise ValueError(f"tensor_parallel_size={tp} on an external KV pool needs each rank's share of "
+                             "it (rank_kv_pools)")
+        num_pages = kv_pool.num_pages if kv_pool is not None else \
+            self.config.num_pages_for(rank_config(self.model.config, tp))
+        group = start_ranks(self.config, num_pages, rank_kv_pools)
         try:
             shard_leader(self.model, group)
         except Exception:

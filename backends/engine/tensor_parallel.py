@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,7 @@ from ..models import LlamaForCausalLM, load_model
 from ..parallel.group import FAILED, READY, RankFailed, RankGroup, RankSpec, connect
 from ..parallel.sharding import shard_model_
 from .config import EngineConfig
-from .kv_pool import kv_page_pool
+from .kv_pool import check_pool_fits, kv_page_pool
 from .model_runner import ForwardBatch, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RankWork:
     """What a rank builds: the engine's config and the pages its KV pool holds (the
-    leader's count: page ids are shared)."""
+    leader's count: page ids are shared); ``rank_pool(rank)``, when the leader's pool is
+    external (the shared decode pool), maps that rank's share of it instead (a picklable
+    callable: it travels to the rank process)."""
     config: EngineConfig
     num_pages: int
+    rank_pool: Callable[[int], KVPagePool] | None = None
 
 
-def start_ranks(config: EngineConfig, num_pages: int) -> RankGroup:
+def start_ranks(config: EngineConfig, num_pages: int,
+                rank_pool: Callable[[int], KVPagePool] | None = None) -> RankGroup:
     """Ranks 1..tp-1 started and joined (they load and cut the model meanwhile)."""
-    return RankGroup(config.tensor_parallel_size, config.tp_timeout_s, RankWork(config, num_pages), rank_main)
+    return RankGroup(config.tensor_parallel_size, config.tp_timeout_s, RankWork(config, num_pages, rank_pool),
+                     rank_main)
 
 
 def shard_leader(model: LlamaForCausalLM, group: RankGroup) -> None:
@@ -55,7 +61,12 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         c = work.config
         model = shard_model_(load_model(c.model_dir, c.dtype, c.device), spec.tp, spec.rank,
                              collective.all_reduce)
-        pool = kv_page_pool(c, model.rank_config, work.num_pages, model.embed_tokens.weight.dtype)
+        dtype = model.embed_tokens.weight.dtype
+        if work.rank_pool is None:
+            pool = kv_page_pool(c, model.rank_config, work.num_pages, dtype)
+        else:
+            pool = work.rank_pool(spec.rank)
+            check_pool_fits(c, pool, model.rank_config, dtype)
         runner = ModelRunner(model, pool)
     except Exception as err:   # reported to the leader, which fails its start with it
         conn.send((FAILED, f"{type(err).__name__}: {err}"))

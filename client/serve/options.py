@@ -157,9 +157,14 @@ class ServeOptions:
             raise ServerError(f"--faults {engine.faults!r}: quotes, backslashes and line breaks are not allowed")
         if engine.tensor_parallel_size < 1:
             raise ServerError(f"--tp {engine.tensor_parallel_size}; allowed: an integer >= 1")
-        if engine.tensor_parallel_size > 1 and self.mode != "colocated":
-            raise ServerError(f"--tp {engine.tensor_parallel_size} with --mode {self.mode}: tensor parallelism "
-                              "runs in the colocated engine only so far; allowed: --mode colocated, or --tp 1")
+        tp = engine.tensor_parallel_size
+        if tp > 1 and self.mode == "prefill":
+            raise ServerError(f"--tp {tp} with --mode prefill: the prefill engine runs one rank so far (a "
+                              "decode server's --tp splits its decode engine); allowed: --tp 1")
+        if tp > 1 and self.mode != "colocated" and (self._uses("mtp_head") or self._uses("draft_model")):
+            raise ServerError(f"--tp {tp} with --spec {engine.spec_method} on --mode {self.mode}: the draft "
+                              "model's or MTP head's KV is not split over decode ranks yet; allowed: --spec ngram "
+                              "or none, or --mode colocated")
         if engine.tensor_parallel_size > 1 and engine.max_loras:
             raise ServerError(f"--tp {engine.tensor_parallel_size} with --max-loras {engine.max_loras}: LoRA "
                               "adapters are not split over ranks yet; allowed: one of them")

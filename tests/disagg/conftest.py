@@ -21,9 +21,9 @@ def make_decode_pool():
     from tandem.rdma import SharedKVPool
 
     def create(name, model_dir, dtype="float32", page_size=4, kv_layout="HND", num_pages=64,
-               speculative=None, prefix_caching=False):
+               speculative=None, prefix_caching=False, tp=1):
         return SharedKVPool.create(decode_pool_spec(name, str(model_dir), dtype, page_size, kv_layout,
                                                     num_pages, speculative=speculative,
-                                                    prefix_caching=prefix_caching))
+                                                    prefix_caching=prefix_caching, tp=tp))
     with fresh_pools("tkv-disagg", create) as make:
         yield make

@@ -125,6 +125,41 @@ def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_
     assert prefill_peer("prefill_pages") == prefill_start_pages
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_prefill_rank_feeds_several_decode_ranks(demo_checkpoint, colocated, make_decode_pool, rx_peer,
+                                                     prefill_peer, tp):
+    """Prefill at TP 1, decode at TP 2 (KV heads split) and 4 (replicated): each page the
+    prefill process computed whole is cut by KV head into the decode ranks' files (the
+    plan's split), every write counted; the decoder's ranks continue from it and the
+    greedy text is the colocated engine's, twice; every page and reservation comes back."""
+    expected, ref = colocated
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, tp=tp)
+    assert pool.spec.scheme.tp_size == tp
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8, num_pages=32)
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64, tensor_parallel_size=tp)
+    engine.start()
+    try:
+        cfg = engine.engine.model.config
+        assert engine.engine.pool.num_kv_heads == max(cfg.num_key_value_heads // tp, 1)
+        ids = [ref.tokenize(p) for p in PROMPTS]
+        for _ in range(2):
+            tokens, reasons = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
+            assert reasons == ["length"] * len(ids)
+            assert tokens == expected
+    finally:
+        engine.shutdown()
+    assert pool.stats() == start
+
+
+def test_a_decode_engine_split_differently_from_its_pool_is_refused(demo_checkpoint, make_decode_pool):
+    pool = make_decode_pool(str(demo_checkpoint), page_size=4, num_pages=16, tp=2)
+    with pytest.raises(ValueError, match="split for 2 decode rank"):
+        decode_engine(pool, str(demo_checkpoint), dtype="float32")
+
+
 def test_fragmented_pools_and_mixed_lengths_keep_every_page_in_place(
         demo_checkpoint, colocated, make_decode_pool, rx_peer, prefill_peer):
     """After churn neither side's free pages are in id order: prompts of mixed lengths

@@ -1,9 +1,11 @@
-"""``tandem serve --mode colocated --tp 2`` on a real tritonserver: the llm stub splits the
-demo target with a rank process it starts, and the greedy text through the
+"""``tandem serve --tp 2`` on a real tritonserver. Colocated: the llm stub splits the demo
+target with a rank process it starts, and the greedy text through the
 ``tandem_colocated`` ensemble is the one-rank offline engine's; the rank SIGKILLed, the
 next request fails, the stub exits (its engine cannot serve), readiness drops, the
 supervisor restarts the model with a new rank, and the text is right again; stopping
-the server leaves no rank behind."""
+the server leaves no rank behind. Disaggregated: prefill at 1 rank feeds decode at 2
+through the ``tandem`` ensemble (the KV split over the decode ranks' pool files), and
+the text is the same."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,7 @@ import pytest
 from tandem.client.generate import stream_generate
 from tandem.client.serve.triton_server import stub_processes
 
-from .triton_calls import eventually
+from .triton_calls import eventually, metric_reaches
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4)
@@ -102,3 +104,22 @@ def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
         assert time.monotonic() < deadline, "the restarted model never served the right text"
         time.sleep(0.5)
     assert not alive(rank) and not alive(stub.pid)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(serve):
+    """Prefill at 1 rank, decode at 2: every prompt through the prefill process
+    (``--disagg-policy remote``), its KV split over the decode ranks' pool files."""
+    with serve("serve-tp-disagg", 300, mode="disaggregated", tensor_parallel_size=2, torch_threads=2,
+               disagg_policy="remote", **SETTINGS) as srv:
+        yield srv
+
+
+def test_one_prefill_rank_feeds_two_decode_ranks_through_the_ensembles(disaggregated, reference):
+    decode = next(s for s in disaggregated.stubs() if s.model == "decode")
+    assert len(ranks_of(decode.pid)) == 1, "the decode stub started one rank process"
+    rs = list(stream_generate(disaggregated.grpc_url, PROMPT, model="tandem", timeout_s=60,
+                              max_tokens=MAX_TOKENS, temperature=0.0, stream=True))
+    assert "".join(r.text for r in rs) == reference
+    metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", 1,
+                   "the prompt was not prefilled by the prefill process", path="remote", reason="policy")

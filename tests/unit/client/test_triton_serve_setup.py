@@ -571,9 +571,11 @@ def test_every_model_config_parses(name):
 
 
 @pytest.mark.parametrize("options,problem", [
-    (dict(mode="disaggregated", tensor_parallel_size=2), "--tp 2 with --mode disaggregated: tensor parallelism "
-                                                         "runs in the colocated engine only so far"),
-    (dict(mode="both", tensor_parallel_size=2), "--tp 2 with --mode both"),
+    (dict(mode="prefill", tensor_parallel_size=2), "--tp 2 with --mode prefill: the prefill engine runs one rank"),
+    (dict(mode="disaggregated", tensor_parallel_size=2, spec_method="auto"), "--tp 2 with --spec auto on --mode "
+                                                                              "disaggregated: the "
+                                                         "draft model's or MTP head's KV is not split"),
+    (dict(mode="both", tensor_parallel_size=2, spec_method="mtp"), "--tp 2 with --spec mtp on --mode both"),
     (dict(mode="colocated", tensor_parallel_size=2, max_loras=1), "--tp 2 with --max-loras 1"),
     (dict(mode="colocated", tensor_parallel_size=0), "--tp 0; allowed: an integer >= 1"),
 ])
@@ -582,7 +584,10 @@ def test_a_tensor_parallel_split_the_server_cannot_run_is_refused(tmp_path, opti
         ServeOptions.of(model_dir=str(tmp_path), **options).template_values()
 
 
-def test_the_colocated_engine_gets_its_tensor_parallel_size(tmp_path):
-    options = ServeOptions.of(model_dir=str(tmp_path), mode="colocated", tensor_parallel_size=2)
+@pytest.mark.parametrize("mode,models", [("colocated", ("llm",)),
+                                         ("disaggregated", ("decode", "kv_transfer", "prefill"))])
+def test_the_engines_get_their_tensor_parallel_size(tmp_path, mode, models):
+    options = ServeOptions.of(model_dir=str(tmp_path), mode=mode, tensor_parallel_size=2, spec_method="ngram")
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
-    assert 'key: "tensor_parallel_size" value: { string_value: "2" }' in (repo / "llm" / "config.pbtxt").read_text()
+    for m in models:
+        assert 'key: "tensor_parallel_size" value: { string_value: "2" }' in (repo / m / "config.pbtxt").read_text()
