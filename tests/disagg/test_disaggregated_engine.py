@@ -146,12 +146,26 @@ def test_one_prefill_rank_feeds_several_decode_ranks(demo_checkpoint, colocated,
         assert engine.engine.pool.num_kv_heads == max(cfg.num_key_value_heads // tp, 1)
         ids = [ref.tokenize(p) for p in PROMPTS]
         for _ in range(2):
+            received = rx_peer("rx_stats")["bytes_received"]
             tokens, reasons = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
             assert reasons == ["length"] * len(ids)
             assert tokens == expected
+            # exactly the bytes the plans say: every rank's head range of every page, and the context
+            assert rx_peer("rx_stats")["bytes_received"] - received == sum(
+                planned_bytes(pool, len(t) - 1, context_nbytes(model_dir, "float32")) for t in ids)
     finally:
         engine.shutdown()
     assert pool.stats() == start
+
+
+def planned_bytes(pool, num_tokens: int, context: int) -> int:
+    """The bytes a one-rank prefill sends for ``num_tokens`` tokens into ``pool``."""
+    from tandem.rdma import ShardScheme
+    from tandem.rdma.plan import pages_needed, plan_transfer
+    page_size = pool.spec.models[0].page_size
+    plan = plan_transfer(pool.spec.models, list(range(pages_needed(num_tokens, page_size))), num_tokens,
+                         ShardScheme(1), pool.spec.scheme, context_nbytes=(context,))
+    return sum(m.num_layers * int(ops.nbytes.sum()) for m, ops in zip(plan.models, plan.layer_ops)) + context
 
 
 def test_a_decode_engine_split_differently_from_its_pool_is_refused(demo_checkpoint, make_decode_pool):

@@ -65,45 +65,51 @@ def reference(greedy_reference):
     return greedy_reference(MAX_TOKENS, **SETTINGS)(PROMPT).text
 
 
-def text(server) -> str:
-    rs = list(stream_generate(server.grpc_url, PROMPT, model=ENSEMBLE, timeout_s=60, max_tokens=MAX_TOKENS,
+def text(server, ensemble: str = ENSEMBLE) -> str:
+    rs = list(stream_generate(server.grpc_url, PROMPT, model=ensemble, timeout_s=60, max_tokens=MAX_TOKENS,
                               temperature=0.0, stream=True))
     return "".join(r.text for r in rs)
 
 
-def llm_stub(server):
-    """The live llm stub (None between its death and its restart)."""
-    return next((s for s in server.stubs() if s.model == "llm"), None)
+def stub_of(server, model: str = "llm"):
+    """The live stub of ``model`` (None between its death and its restart)."""
+    return next((s for s in server.stubs() if s.model == model), None)
 
 
 def test_two_ranks_serve_the_one_rank_engines_text(server, reference):
-    stub = llm_stub(server)
+    stub = stub_of(server)
     assert len(ranks_of(stub.pid)) == 1, "the llm stub started one rank process"
     assert text(server) == reference
 
 
-def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
-    stub = llm_stub(server)
+def kill_a_rank_and_recover(server, model: str, ensemble: str, reference: str) -> None:
+    """SIGKILL ``model``'s rank: the next request fails, the stub exits and is restarted
+    with a new rank, and the text is right again."""
+    stub = stub_of(server, model)
     (rank,) = ranks_of(stub.pid)
     os.kill(rank, 9)
     with pytest.raises(Exception):     # the engine stops: this request ends with an error
-        text(server)
+        text(server, ensemble)
 
     def restarted():
-        new = llm_stub(server)
+        new = stub_of(server, model)
         assert new is not None and new.pid != stub.pid and len(ranks_of(new.pid)) == 1
     eventually(restarted, timeout_s=180)
-    server.wait_model_ready(ENSEMBLE, timeout_s=180)
+    server.wait_model_ready(ensemble, timeout_s=180)
     deadline = time.monotonic() + 120
     while True:
         try:
-            if text(server) == reference:
+            if text(server, ensemble) == reference:
                 break
         except Exception:
             pass
         assert time.monotonic() < deadline, "the restarted model never served the right text"
         time.sleep(0.5)
     assert not alive(rank) and not alive(stub.pid)
+
+
+def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
+    kill_a_rank_and_recover(server, "llm", ENSEMBLE, reference)
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +119,21 @@ def disaggregated(serve):
     with serve("serve-tp-disagg", 300, mode="disaggregated", tensor_parallel_size=2, torch_threads=2,
                disagg_policy="remote", **SETTINGS) as srv:
         yield srv
+        ranks = [r for s in srv.stubs() if s.model == "decode" for r in ranks_of(s.pid)]
+        srv.stop()
+        assert stub_processes(srv.run_dir) == [] and srv.owned_segments() == []
+        eventually(lambda: not any(alive(r) for r in ranks), timeout_s=30)
 
 
 def test_one_prefill_rank_feeds_two_decode_ranks_through_the_ensembles(disaggregated, reference):
-    decode = next(s for s in disaggregated.stubs() if s.model == "decode")
+    decode = stub_of(disaggregated, "decode")
     assert len(ranks_of(decode.pid)) == 1, "the decode stub started one rank process"
     rs = list(stream_generate(disaggregated.grpc_url, PROMPT, model="tandem", timeout_s=60,
                               max_tokens=MAX_TOKENS, temperature=0.0, stream=True))
     assert "".join(r.text for r in rs) == reference
     metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", 1,
                    "the prompt was not prefilled by the prefill process", path="remote", reason="policy")
+
+
+def test_a_killed_decode_rank_restarts_decode(disaggregated, reference):
+    kill_a_rank_and_recover(disaggregated, "decode", "tandem", reference)
