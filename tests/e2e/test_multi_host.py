@@ -70,7 +70,7 @@ def _serve(pair: VethPair, side: str, run_dir: Path, **settings) -> subprocess.P
     settings = dict(host=pair.addr[side], http_port=HTTP, grpc_port=GRPC, metrics_port=METRICS,
                     openai_port=0, threads=1, dtype="float32", enforce_eager=1, page_size=PAGE_SIZE, max_num_batched_tokens=BATCHED,
                     kv_interface=pair.iface[side], kv_transports="tcp", run_dir=run_dir,
-                    log_file=run_dir / "tritonserver.log", **settings)
+                    log_file=run_dir / "tritonserver.log") | settings
     env.update({f"TANDEM_{k.upper()}": str(v) for k, v in settings.items()})
     out = open(run_dir / "serve.out", "ab")
     return subprocess.Popen(pair.exec(side, str(ENTRYPOINT)), env=env, cwd=ROOT,
