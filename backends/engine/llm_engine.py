@@ -6,8 +6,8 @@ token deltas out. What a step needs lives beside it: input processing
 from __future__ import annotations
 
 import itertools
-from typing import Callable
 from concurrent.futures import wait
+from typing import Callable
 
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator

@@ -63,11 +63,17 @@ def plan_lora(pool: LoRAPool | None, seq_slots: list[int] | None,
     batch = LoRABatch(pool, segments, by_group)
     if fused_kernel(pool):
         batch.row_slots = torch.tensor(rows, dtype=torch.int32)
-        present = {slot for slot, _ in segments.groups}
-        batch.widths = {group: torch.tensor([pool.width(s, group) if s in present and group in pool.groups(s)
-                                             else 0 for s in range(pool.max_loras + 1)], dtype=torch.int32)
-                        for group in GROUPS}
+        batch.widths = {group: slot_widths(kept, pool.max_loras) for group, kept in by_group.items()
+                        if kept is not None}
     return batch
+
+
+def slot_widths(kept: Segments, max_loras: int) -> torch.Tensor:
+    """int32 [max_loras + 1]: each slot's width in a group (0: no row of it changes the group)."""
+    widths = [0] * (max_loras + 1)
+    for slot, _ in kept.groups:
+        widths[slot] = kept.widths[slot]
+    return torch.tensor(widths, dtype=torch.int32)
 
 
 def fused_kernel(pool: LoRAPool) -> bool:

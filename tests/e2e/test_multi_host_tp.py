@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.bench.netns import VethPair, netns_problem
-
-from .test_multi_host import GRPC, PAGE_SIZE, BATCHED, PROMPTS, Server, _serve
+from .test_multi_host import BATCHED, GRPC, PAGE_SIZE, PROMPTS, Server, _serve
+from .test_multi_host import link  # noqa: F401 - the veth pair, a fixture of this module too
 from .triton_calls import eventually
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def link():
-    problem = netns_problem()
-    if problem:
-        pytest.skip(f"no network namespaces here: {problem}")
-    pair = VethPair.create("tandem-tp")
-    try:
-        yield pair
-    finally:
-        pair.remove()
 
 
 @pytest.fixture(scope="module")
