@@ -237,6 +237,12 @@ class KVSender(Messenger):
                              f"{t.plan.context_nbytes}")
         self._transport.submit(lambda: self._context(t, arrays))
 
+    def cancel(self, t: Transfer, why: str) -> None:
+        """Stop ``t`` (the engine gave up on it: another rank's transfer of the same
+        request failed); it fails with ``why`` unless it ended already. The receiver's
+        reservation fails by its lease."""
+        self._transport.submit(lambda: self._fail(t, TransferCancelled(why)))
+
     def _layers_advanced(self, step: ForwardStep) -> None:
         """``step``'s layer counter advanced (called by :meth:`ForwardStep.layer_done`)."""
         self._transport.submit(lambda: self._on_layers(step))

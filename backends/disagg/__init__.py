@@ -15,6 +15,7 @@ _EXPORTS = {"SharedPoolTicket": ".decode", "PoolHousekeeper": ".decode",
             "decode_engine": ".decode", "CONTEXT": ".pool", "TARGET": ".pool",
             "context_nbytes": ".pool", "decode_pool_spec": ".pool", "default_headroom": ".pool",
             "lookahead_slots": ".pool", "open_or_create": ".pool", "server_pool_name": ".pool",
+            "shard_scheme": ".pool",
             "PrefillService": ".prefill_service"}
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -54,11 +54,21 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
         headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)
     max_pins = min(num_pages, pages_needed(target.max_position_embeddings, page_size)) \
         if prefix_caching else 0
-    kv_heads = target.num_key_value_heads
-    scheme = ShardScheme(tp, replica_sets=tp // kv_heads if kv_heads < tp else 1)
-    return PoolSpec(name, models, num_pages, scheme=scheme, num_slots=num_slots,
+    return PoolSpec(name, models, num_pages, scheme=shard_scheme(target.num_key_value_heads, tp),
+                    num_slots=num_slots,
                     context_bytes=context_nbytes(model_dir, dtype),
                     headroom_pages=min(headroom_pages, num_pages - 1), max_pins=max_pins)
+
+
+def shard_scheme(num_kv_heads: int, tp: int) -> ShardScheme:
+    """How an engine of ``tp`` ranks holds a model's KV heads (backends/parallel's split):
+    by head range, or, with fewer heads than ranks, replicated over sets of
+    ``num_kv_heads`` ranks, one head each.
+
+    >>> shard_scheme(2, 2), shard_scheme(2, 4)
+    (ShardScheme(tp_size=2, replica_sets=1), ShardScheme(tp_size=4, replica_sets=2))
+    """
+    return ShardScheme(tp, replica_sets=tp // num_kv_heads if num_kv_heads < tp else 1)
 
 
 def default_headroom(num_pages: int, page_size: int, max_num_seqs: int,

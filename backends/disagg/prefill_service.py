@@ -36,12 +36,14 @@ from typing import Callable
 
 from tandem.rdma import DestinationDescriptor, KVSender, SenderConfig, Transfer
 
+from ..parallel.group import RankFailed
+
 from ..engine.inbox import Inbox
 from ..engine.config import EngineConfig
 from ..engine.prefill_engine import PrefillEngine, PrefillHooks, PrefillRequest
 from ..lora.request import LoRARequest
 from .kv_views import source_pool
-from .pool import TARGET
+from .pool import TARGET, shard_scheme
 
 log = logging.getLogger(__name__)
 DoneCallback = Callable[[str | None], None]
@@ -82,19 +84,29 @@ PrefillMessage = AddJob | FailJob | TransferEnded
 
 class PrefillService(PrefillHooks):
     def __init__(self, config: EngineConfig, sender_config: SenderConfig | None = None):
+        """With ``config.tensor_parallel_size`` > 1 the engine's ranks keep their KV in
+        shared memory this process maps, and one messenger per rank sends that rank's
+        share of each page (the plan's pieces of its head range); the layer counter
+        advances on the leader, whose all-reduces keep every rank in step."""
         self.engine = PrefillEngine.from_config(config, hooks=self)
-        pools = {TARGET: source_pool(TARGET, self.engine.pool)}
-        if self.engine.proposer is not None:
-            name = self.engine.proposer_name
-            pools[name] = source_pool(name, self.engine.proposer.pool)
-        self.kv_names = list(pools)
+        tp = self.tp = config.tensor_parallel_size
         model = self.engine.model
+        if tp > 1 and self.engine.proposer is not None:
+            self.engine.close()
+            raise ValueError(f"tensor_parallel_size={tp} with speculative method {config.speculative.method!r}: "
+                             "the proposer's KV is not split over prefill ranks yet; allowed: ngram or no "
+                             "speculation, or 1 rank")
+        self.scheme = shard_scheme(model.config.num_key_value_heads, tp)
+        self.kv_names = [TARGET] + ([self.engine.proposer_name] if self.engine.proposer is not None else [])
         # the one context blob: the last prefilled token's hidden state
         self.context_nbytes = model.config.hidden_size * model.embed_tokens.weight.element_size()
-        self.sender = KVSender(pools, config=sender_config, name="prefill-messenger")
+        self.senders = [KVSender(self._source_pools(rank), rank, self.scheme, sender_config,
+                                 name="prefill-messenger" + (f"-r{rank}" if tp > 1 else ""))
+                        for rank in range(tp)]
+        self.sender = self.senders[0]
         self._faults = self.sender.config.faults
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
-        self._transfers: dict[str, Transfer] = {}
+        self._transfers: dict[str, list[Transfer]] = {}   # a job's transfers, by rank
         self._inbox: Inbox[PrefillMessage] = Inbox()
         self._ids = itertools.count()
         # jobs submitted whose on_done has not run: shutdown lets them finish
@@ -104,6 +116,19 @@ class PrefillService(PrefillHooks):
         self._thread = threading.Thread(target=self._loop, name="tandem-prefill", daemon=True)
         # runs on the engine thread before each step (the torch threads: PrefillThreads)
         self.before_step: Callable[[], None] | None = None
+        # called (on the engine thread, once) when the engine can prefill no more: a
+        # tensor-parallel rank died; every job taken has ended with the cause by then
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.failure: BaseException | None = None
+
+    def _source_pools(self, rank: int) -> dict:
+        """Rank ``rank``'s KV as its messenger sends it: the target's share (and the
+        proposer's KV, which only a one-rank prefill has)."""
+        pools = {TARGET: source_pool(TARGET, self.engine.rank_pools[rank], self.scheme)}
+        if self.engine.proposer is not None:
+            pools[self.engine.proposer_name] = source_pool(self.engine.proposer_name,
+                                                           self.engine.proposer.pool)
+        return pools
 
     def start(self) -> None:
         self._thread.start()
@@ -120,7 +145,9 @@ class PrefillService(PrefillHooks):
         self._inbox.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.sender.close()
+        for sender in self.senders:
+            sender.close()
+        self.engine.close()
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, desc: DestinationDescriptor, prompt_ids: list[int],
@@ -133,12 +160,19 @@ class PrefillService(PrefillHooks):
         if len(prompt_ids) - 1 != desc.num_tokens:
             raise ValueError(f"the reservation holds {desc.num_tokens} tokens; a prompt of "
                              f"{len(prompt_ids)} tokens prefills {len(prompt_ids) - 1}")
+        if desc.src.tp_size != self.tp:
+            raise ValueError(f"the decode side planned this transfer for a prefill of {desc.src.tp_size} "
+                             f"tensor-parallel rank(s); this prefill runs {self.tp} (set the decode server's "
+                             f"--prefill-tp {self.tp})")
         if [m.name for m in desc.models] != self.kv_names:
             raise ValueError(f"the reservation is for the KV of {[m.name for m in desc.models]}; "
                              f"this prefill produces {self.kv_names} (do both sides speculate "
                              f"alike?)")
         self.sender.check(desc, (self.context_nbytes,))
         with self._settled:
+            if self.failure is not None:
+                raise PrefillClosing(f"this prefill's engine stopped ({self.failure}); it is restarting, "
+                                     "retry later")
             if self._closing:
                 raise PrefillClosing("this prefill server is shutting down; retry on another")
             self._pending += 1
@@ -172,34 +206,50 @@ class PrefillService(PrefillHooks):
         rid = req.request_id
         desc, _ = self._jobs[rid]
         try:
-            # the decoder's cache holds the first pages: only the rest travel
-            t = self.sender.begin(desc, req.pages[desc.first_page:],
-                                  on_done=lambda t, rid=rid: self._transfer_done(rid, t))
-            self._transfers[rid] = t
+            # the decoder's cache holds the first pages: only the rest travel; every rank
+            # sends its share of the same page ids
+            ts = self._transfers[rid] = []
+            for sender in self.senders:
+                ts.append(sender.begin(desc, req.pages[desc.first_page:],
+                                       on_done=lambda t, rid=rid: self._transfer_done(rid, t)))
             if req.num_cached:
-                self._announce_final(t, req.num_cached)
+                for sender, t in zip(self.senders, ts):
+                    self._announce_final(sender, t, req.num_cached)
         except Exception as e:   # this request alone; it is aborted after the step
             log.exception("request %s: its KV transfer could not start", rid)
             self._inbox.post(FailJob(rid, f"the KV transfer could not start ({e})"))
 
-    def _announce_final(self, t: Transfer, end: int) -> None:
+    @staticmethod
+    def _announce_final(sender: KVSender, t: Transfer, end: int) -> None:
         """Tokens up to ``end`` came from the prefix cache: their KV, of every model and
         layer, is final as if a forward had just computed it."""
         for m in t.plan.models:
-            step = self.sender.step(m.name, {t: end})
+            step = sender.step(m.name, {t: end})
             for layer in range(m.num_layers):
                 step.layer_done(layer)
 
     def before_forward(self, chunks, model=TARGET):
-        live = {self._transfers[r.request_id]: end for r, end in chunks
-                if r.request_id in self._transfers}
-        live = {t: end for t, end in live.items() if not t.done}   # failed ones: nothing to send
-        return self.sender.step(model, live).layer_done if live else None
+        steps = []
+        for rank, sender in enumerate(self.senders):
+            live = {self._transfers[r.request_id][rank]: end for r, end in chunks
+                    if r.request_id in self._transfers}
+            live = {t: end for t, end in live.items() if not t.done}   # failed ones: nothing to send
+            if live:
+                steps.append(sender.step(model, live).layer_done)
+        if len(steps) <= 1:
+            return steps[0] if steps else None
+        # the leader passed the layer: its all-reduce waited for every rank's, which
+        # follows that rank's KV write of the layer
+
+        def layer_done(layer: int) -> None:
+            for step in steps:
+                step(layer)
+        return layer_done
 
     def on_prefilled(self, req: PrefillRequest) -> None:
-        t = self._transfers.get(req.request_id)
-        if t is not None and t.plan.context_nbytes and not t.done:
-            self.sender.send_context(t, [req.hidden])
+        ts = self._transfers.get(req.request_id)
+        if ts is not None and ts[0].plan.context_nbytes and not ts[0].done:
+            self.sender.send_context(ts[0], [req.hidden])   # rank 0's to send
 
     # -- engine thread: loop --------------------------------------------------------------
     def _loop(self) -> None:
@@ -222,6 +272,8 @@ class PrefillService(PrefillHooks):
                     log.exception("the prefill's step hook failed")
             try:
                 self.engine.step()
+            except RankFailed as exc:   # the engine itself: it cannot prefill until restarted
+                return self._stop_failed(exc)
             except Exception:
                 log.exception("prefill step failed")
                 for rid in [r.request_id for r in (*self.engine.waiting, *self.engine.running)]:
@@ -237,24 +289,54 @@ class PrefillService(PrefillHooks):
             return _call(on_done, str(e))
         self._jobs[rid] = (desc, on_done)
 
+    def _stop_failed(self, exc: BaseException) -> None:
+        """A rank died: end every job with the cause, take no more, tell the owner."""
+        log.critical("the prefill engine stopped: %s", exc)
+        with self._settled:
+            self.failure = exc
+        why = f"the prefill engine stopped ({exc})"
+        for rid in list(self._jobs):
+            self._abort(rid, why)
+        for rid in [r.request_id for r in (*self.engine.waiting, *self.engine.running)]:
+            self.engine.abort(rid)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
     def _finish(self, rid: str, t) -> None:
-        """The transfer ended: every send completed, or it failed (then the prefill,
-        if still running, is pointless, and what it published leaves the cache)."""
-        self._transfers.pop(rid, None)
+        """One of the job's transfers ended. The job ends when every rank's completed,
+        or at the first that failed (then the prefill, if still running, is pointless,
+        what it published leaves the cache, and the other ranks' transfers stop)."""
+        ts = self._transfers.get(rid)
+        if ts is None:
+            return   # ended already
+        error = next((x.error for x in ts if x.error is not None), None)
+        if error is None and not all(x.done for x in ts):
+            return   # another rank is still sending
+        self._transfers.pop(rid)
         job = self._jobs.pop(rid, None)
+        if error is not None:
+            self._cancel(ts, f"another prefill rank's transfer failed ({error})")
         if job is None:
             return   # aborted already
-        if t.error is None and rid in self.engine.finished:
+        if error is None and rid in self.engine.finished:
             self.engine.release(rid)
         else:
             self.engine.abort(rid)
-        _call(job[1], None if t.error is None else str(t.error))
+        _call(job[1], None if error is None else str(error))
+
+    def _cancel(self, ts: list[Transfer], why: str) -> None:
+        """Stop a job's transfers still running (each rank's messenger stops its own)."""
+        for sender, t in zip(self.senders, ts):
+            if not t.done:
+                sender.cancel(t, why)
 
     def _abort(self, rid: str, message: str) -> None:
-        # The transfer (if begun) can no longer complete: the decoder's reservation
-        # times out. Sends already in flight may read pages freed here, but only into
-        # a reservation that will never be READY.
-        self._transfers.pop(rid, None)
+        # The transfer (if begun) can no longer complete: it is stopped, and the
+        # decoder's reservation times out. Sends already in flight may read pages freed
+        # here, but only into a reservation that will never be READY.
+        ts = self._transfers.pop(rid, None)
+        if ts is not None:
+            self._cancel(ts, f"the prefill ended ({message})")
         job = self._jobs.pop(rid, None)
         self.engine.abort(rid)
         if job is not None:

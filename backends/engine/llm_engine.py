@@ -119,19 +119,13 @@ class LLMEngine:
         if tp == 1:
             return None
         from ..parallel.sharding import rank_config
-        from .tensor_parallel import shard_leader, start_ranks
+        from .tensor_parallel import start_group
         if kv_pool is not None and rank_kv_pools is None:
             raise ValueError(f"tensor_parallel_size={tp} on an external KV pool needs each rank's share of "
                              "it (rank_kv_pools)")
         num_pages = kv_pool.num_pages if kv_pool is not None else \
             self.config.num_pages_for(rank_config(self.model.config, tp))
-        group = start_ranks(self.config, num_pages, rank_kv_pools)
-        try:
-            shard_leader(self.model, group)
-        except Exception:
-            group.stop()
-            raise
-        return group
+        return start_group(self.config, self.model, num_pages, rank_kv_pools)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (they also end when this process does)."""

@@ -53,6 +53,7 @@ from .kv_pool import kv_page_pool, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
 from .prefix_caching import PrefixCacheStats, PrefixCaching, request_salt
 from .proposers import ProposerPrefill, load_proposer_model
+from .tensor_parallel import TensorParallelRanks, start_shared_ranks
 
 log = logging.getLogger(__name__)
 LayerCallback = Callable[[int], None]
@@ -105,14 +106,24 @@ class PrefillEngine:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  hooks: PrefillHooks | None = None,
                  proposer: tuple[str, ProposerPrefill] | None = None,
-                 prefix: PrefixCaching | None = None, lora_pool: LoRAPool | None = None):
+                 prefix: PrefixCaching | None = None, lora_pool: LoRAPool | None = None,
+                 ranks: TensorParallelRanks | None = None):
         """``proposer``: (its KV name, the filler of its KV) with speculation;
         ``prefix``: prefix caching on ``allocator`` (a :class:`CachingKVAllocator`);
-        ``lora_pool``: the adapter slots requests' adapters load into (None: no LoRA)."""
+        ``lora_pool``: the adapter slots requests' adapters load into (None: no LoRA);
+        ``ranks``: the other tensor-parallel ranks (``model`` and ``pool`` are then rank
+        0's share)."""
         self.model, self.pool, self.allocator = model, pool, allocator
         self.prefix, self.lora_pool = prefix, lora_pool
         self.proposer_name, self.proposer = proposer or (None, None)
-        self.runner = ModelRunner(model, pool, lora_pool)
+        self.tp_group = ranks.group if ranks is not None else None
+        # every rank's KV pool, rank 0's first: the other ranks' are mapped from shared memory
+        self.rank_pools = [pool] + (ranks.pools if ranks is not None else [])
+        if self.tp_group is None:
+            self.runner = ModelRunner(model, pool, lora_pool)
+        else:
+            from .tensor_parallel import TensorParallelRunner
+            self.runner = TensorParallelRunner(model, pool, self.tp_group)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.hooks = hooks or PrefillHooks()
         self.waiting: deque[PrefillRequest] = deque()
@@ -127,7 +138,8 @@ class PrefillEngine:
         config.validate()
         model = load_model(config.model_dir, config.dtype, config.device)
         dtype = model.embed_tokens.weight.dtype
-        pool, allocator = make_kv_pool(config, model.config, dtype)
+        ranks = start_shared_ranks(config, model) if config.tensor_parallel_size > 1 else None
+        pool, allocator = make_kv_pool(config, model.rank_config, dtype)
         proposer, spec = None, config.speculative
         if spec is not None and spec.has_kv:   # ngram has no KV to fill
             p = load_proposer_model(spec, model, config.dtype, config.device)
@@ -138,8 +150,15 @@ class PrefillEngine:
                   if isinstance(allocator, CachingKVAllocator) else None)
         lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
                              lora_dtype(config.device, dtype)) if config.max_loras else None
+        if ranks is not None:
+            ranks.ready()
         return cls(model, pool, allocator, config.max_num_batched_tokens,
-                   config.max_num_seqs, hooks, proposer, prefix, lora_pool)
+                   config.max_num_seqs, hooks, proposer, prefix, lora_pool, ranks)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also end when this process does)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], last_token: int | None = None,
@@ -208,7 +227,12 @@ class PrefillEngine:
     def step(self) -> list[PrefillRequest]:
         """Admit what fits, run one chunked-prefill forward; returns requests whose
         prefill just finished (they keep their pages until :meth:`release`). A request
-        whose part of the forward raises is dropped alone (see :meth:`take_failed`)."""
+        whose part of the forward raises is dropped alone (see :meth:`take_failed`). With
+        tensor-parallel ranks, a broken group (a rank died) raises
+        :class:`~..parallel.group.RankFailed`, before the step or after the one it broke
+        in: this engine cannot prefill until it is started anew."""
+        if self.tp_group is not None:
+            self.tp_group.check()
         self._admit()
         chunks, budget = [], self.max_num_batched_tokens
         for req in self.running:
@@ -219,7 +243,10 @@ class PrefillEngine:
             budget -= n
         if not chunks:
             return []
-        return [r for r in isolate(chunks, self._forward, self._fail) if r is not None]
+        done = [r for r in isolate(chunks, self._forward, self._fail) if r is not None]
+        if self.tp_group is not None:
+            self.tp_group.check()
+        return done
 
     def take_failed(self) -> list[tuple[str, str]]:
         """``(request_id, why)`` of the requests dropped since the last call (pages freed)."""

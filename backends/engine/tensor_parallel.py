@@ -4,8 +4,9 @@ scheduler plans every step alone and the other ranks follow its plan.
 Each step the leader sends the :class:`~.model_runner.ForwardBatch` to the ranks, then
 runs its own share; every rank plans attention over the same page ids in its own KV pool
 (its KV heads only), and the row-parallel layers' all-reduces keep the ranks in step, so
-when the leader has passed a layer, every rank has written that layer's KV (where a KV
-messenger counts layers, it counts on the leader). The leader alone computes logits,
+when the leader has passed a layer's all-reduce, every rank has written that layer's KV
+(where a KV messenger counts layers, it counts on the leader, after those all-reduces:
+:class:`LayerDoneAfterAllReduce`). The leader alone computes logits,
 samples, and runs a draft model or MTP head (whole, on its hidden states, which the
 all-reduces make complete).
 """
@@ -21,7 +22,8 @@ import torch
 from ..kv_cache import KVPagePool
 from ..models import LlamaForCausalLM, load_model
 from ..parallel.group import FAILED, READY, RankFailed, RankGroup, RankSpec, connect
-from ..parallel.sharding import shard_model_
+from ..parallel.rank_pools import RankPoolFiles
+from ..parallel.sharding import rank_config, shard_model_
 from .config import EngineConfig
 from .kv_pool import check_pool_fits, kv_page_pool
 from .model_runner import ForwardBatch, ModelRunner
@@ -47,8 +49,53 @@ def start_ranks(config: EngineConfig, num_pages: int,
                      rank_main)
 
 
-def shard_leader(model: LlamaForCausalLM, group: RankGroup) -> None:
-    shard_model_(model, group.tp, 0, group.all_reduce)
+def start_group(config: EngineConfig, model: LlamaForCausalLM, num_pages: int,
+                rank_pool: Callable[[int], KVPagePool] | None = None) -> RankGroup:
+    """Ranks 1..tp-1 started (building their shares meanwhile) and the leader's ``model``
+    cut to rank 0's share; call ``wait_ready`` once the leader built the rest."""
+    group = start_ranks(config, num_pages, rank_pool)
+    try:
+        shard_model_(model, group.tp, 0, group.all_reduce)
+    except Exception:
+        group.stop()
+        raise
+    return group
+
+
+@dataclass(slots=True)
+class TensorParallelRanks:
+    """A leader's ranks 1..tp-1 whose KV pools it maps too (``pools``, by rank from 1):
+    what a prefill engine needs, whose messenger sends every rank's pages."""
+    group: RankGroup
+    pools: list[KVPagePool]
+    files: RankPoolFiles
+
+    def ready(self) -> None:
+        """Wait for every rank to build its share; the pool files are then unlinked (every
+        rank mapped its own), also when a rank failed."""
+        try:
+            self.group.wait_ready()
+        finally:
+            self.files.unlink()
+
+
+def start_shared_ranks(config: EngineConfig, model: LlamaForCausalLM) -> TensorParallelRanks:
+    """Ranks 1..tp-1 started with their KV pools in shared memory the leader maps, and
+    ``model`` cut to rank 0's share; call :meth:`TensorParallelRanks.ready` once the
+    leader built the rest."""
+    tp = config.tensor_parallel_size
+    share = rank_config(model.config, tp)
+    num_pages = config.num_pages_for(share)
+    files, pools = RankPoolFiles.create(
+        tp, num_layers=share.num_hidden_layers, num_pages=num_pages, num_kv_heads=share.num_key_value_heads,
+        page_size=config.page_size, head_dim=share.head_dim,
+        dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."), kv_layout=config.kv_layout)
+    try:
+        group = start_group(config, model, num_pages, files)
+    except BaseException:
+        files.unlink()
+        raise
+    return TensorParallelRanks(group, pools, files)
 
 
 def rank_main(spec: RankSpec, conn: Connection) -> None:
@@ -93,9 +140,33 @@ class TensorParallelRunner(ModelRunner):
 
     def forward(self, batch: ForwardBatch, on_layer_done=None):
         self.group.send(batch)
+        lagged = LayerDoneAfterAllReduce(on_layer_done) if on_layer_done is not None else None
         try:
-            return super().forward(batch, on_layer_done)
+            out = super().forward(batch, lagged)
+            if lagged is not None:
+                lagged.finish()
+            return out
         except RankFailed as err:
             self.group.fail(str(err))
         except Exception as err:   # the ranks may be inside this step's all-reduces: out of step now
             self.group.fail(f"the leader's step failed ({type(err).__name__}: {err})")
+
+
+class LayerDoneAfterAllReduce:
+    """The leader's attention tells a layer done once its own KV of the layer is written;
+    another rank writes its share of that layer only before the layer's first all-reduce,
+    which the leader passes later. So layer ``i`` is passed on when the leader's layer
+    ``i + 1`` is (the all-reduces of layer ``i`` lie between), and the last layer when
+    the forward returned."""
+
+    def __init__(self, on_layer_done: Callable[[int], None]):
+        self.on_layer_done, self.last = on_layer_done, -1
+
+    def __call__(self, layer: int) -> None:
+        if layer > 0:
+            self.on_layer_done(layer - 1)
+        self.last = layer
+
+    def finish(self) -> None:
+        if self.last >= 0:
+            self.on_layer_done(self.last)

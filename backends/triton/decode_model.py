@@ -52,7 +52,8 @@ class TritonPythonModel(_StreamingModel):
         # the pool's prefix cache keys pages by this model's version too
         engine = decode_engine(self.pool, s.model_dir, model_version=self.model_version,
                                compile_thread_counts=(s.threads, s.idle_threads),
-                               kv_load_failure_policy=s.kv_load_failure_policy, **s.engine_kwargs())
+                               kv_load_failure_policy=s.kv_load_failure_policy,
+                               **(s.engine_kwargs() | {"tensor_parallel_size": s.decode_tp}))
         self.load_board = DecodeLoadBoard(self.pool.spec.name, create=True)
         self.load_board.publish(0)
         engine.step_hook = DecodeStepHook(engine, self.pool, self.load_board,

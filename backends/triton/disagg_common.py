@@ -28,7 +28,7 @@ def pool_spec(s: EngineSettings):
     return decode_pool_spec(server_pool_name(), s.model_dir, s.dtype, s.page_size, s.kv_layout,
                             num_pages, speculative=s.speculative(),
                             headroom_pages=s.kv_headroom_pages, max_num_seqs=s.max_num_seqs,
-                            prefix_caching=s.prefix_caching == "on", tp=s.tensor_parallel_size)
+                            prefix_caching=s.prefix_caching == "on", tp=s.decode_tp)
 
 
 def as_bytes_tensor(data: bytes) -> np.ndarray:

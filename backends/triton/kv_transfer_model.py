@@ -59,7 +59,7 @@ from .settings import EngineSettings, model_limits
 
 class TritonPythonModel(PerRequestModel):
     def initialize(self, args: dict) -> None:
-        from tandem.backends.disagg import open_or_create
+        from tandem.backends.disagg import open_or_create, shard_scheme
         from tandem.rdma import KVReceiver, ReceiverConfig
 
         name, version = args.get("model_name", "kv_transfer"), str(args.get("model_version", "1"))
@@ -67,6 +67,9 @@ class TritonPythonModel(PerRequestModel):
         self.settings = s
         self.adapters = s.adapters()     # the server's LoRA adapter registry (None: no LoRA)
         self.pool = open_or_create(pool_spec(s))
+        # the prefill side's split of the KV heads: every transfer is planned from it to
+        # the pool's (decode's), and the receiver counts the writes both make
+        self.prefill_scheme = shard_scheme(self.pool.spec.models[0].num_kv_heads, s.prefill_tp)
         self.context_nbytes = self.pool.spec.context_bytes
         self.page_size = self.pool.spec.models[0].page_size
         self.lookahead = lookahead_slots(s.speculative())
@@ -115,8 +118,8 @@ class TritonPythonModel(PerRequestModel):
         desc = NO_TRANSFER
         if route.path != LOCAL:
             try:
-                reservation = self.receiver.reserve(n - 1, context_nbytes=(self.context_nbytes,),
-                                                    cached_keys=keys)
+                reservation = self.receiver.reserve(n - 1, self.prefill_scheme,
+                                                    context_nbytes=(self.context_nbytes,), cached_keys=keys)
             except PoolExhausted as e:
                 return error_response(
                     f"the decode KV pool is full ({e}); retry later", pb_utils.TritonError.UNAVAILABLE)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import threading
 import time
 import traceback
 
@@ -43,11 +42,10 @@ from .lora_requests import resolve_adapter
 from .response_arrays import ENGINE_OUTPUT_NAMES, PROMPT_OUTPUT_NAMES, TOP_OUTPUT_NAMES, string_array
 from .response_stream import Reply, ResponseStream
 from .settings import EngineSettings, model_limits
+from .stub_exit import exit_stub
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 STOP = "stop"     # BOOL [1, 1]: TensorRT-LLM's stop request
-ENGINE_DIED_EXIT = 70     # EX_SOFTWARE: the stub's exit status when its engine thread died
-EXIT_GRACE_S = 0.5
 
 
 def _log(level: str, message: str) -> None:
@@ -102,13 +100,8 @@ class TritonPythonModel:
         return AsyncEngine(s.model_dir, **s.engine_kwargs(), model_version=self.model_version)
 
     def _engine_failed(self, exc: BaseException) -> None:
-        """The engine thread stopped (its open streams already ended UNAVAILABLE): this
-        model can serve nothing more. Its stub exits, so ``tandem serve`` sees a dead
-        model, reports the server not ready and reloads it; a stub left running would
-        answer every request with an error while Triton reports it ready."""
-        _log("error", f"the engine stopped; exiting the stub so the model is reloaded: {exc!r}")
-        # a moment for the final responses to leave through the stub's IPC
-        threading.Timer(EXIT_GRACE_S, os._exit, (ENGINE_DIED_EXIT,)).start()
+        """The engine thread stopped (its open streams already ended UNAVAILABLE)."""
+        exit_stub("tandem", exc)
 
     def _poll_metrics(self) -> None:
         """Engine counters and KV pages (the decode model adds the shared pool)."""

@@ -28,6 +28,7 @@ from .disagg_common import CACHE_SALT, INPUT_IDS, KV_DESCRIPTOR, LORA_NAME, NO_T
 from .metrics import Poller, PrefillMetrics
 from .per_request import PerRequestModel, error_response
 from .settings import EngineSettings
+from .stub_exit import exit_stub
 
 
 class PrefillModel(PerRequestModel):
@@ -49,8 +50,10 @@ class PrefillModel(PerRequestModel):
                               faults=s.fault_plan())
         # the model version is a key of the prefill's own prefix cache
         version = str(args.get("model_version", "1"))
-        self.service = PrefillService(s.engine_config(num_pages=None, model_version=version),
-                                      sender)
+        self.service = PrefillService(s.engine_config(num_pages=None, model_version=version,
+                                                      tensor_parallel_size=s.prefill_tp), sender)
+        # a rank died: the engine cannot prefill; the stub exits so the model is reloaded
+        self.service.on_fatal = lambda exc: exit_stub("prefill", exc)
         self.drain_s = sender.timeout_s   # a transfer that makes no progress fails by then
         self.adapters = s.adapters()      # the server's LoRA adapter registry (None: no LoRA)
         self.service.before_step = PrefillThreads(server_pool_name(), s.threads,

@@ -158,8 +158,15 @@ class EngineSettings:
     max_lora_rank: int = setting(16, "--max-lora-rank", "the largest adapter rank the slots hold (default: %(default)s)")
     lora_dir: str = ""                    # the server's adapter registry (tandem serve: <run dir>/loras)
     tensor_parallel_size: int = setting(1, "--tp", metavar="N", help=(
-        "tensor-parallel ranks of the engine: the model split over N processes on this host (the model's stub and "
-        "N - 1 it starts), sharing its --threads; colocated mode only so far (default: %(default)s)"))
+        "tensor-parallel ranks of each engine this server runs (colocated, prefill, decode): the model split over N "
+        "processes on this host (the model's stub and N - 1 it starts), sharing its --threads (default: "
+        "%(default)s)"))
+    prefill_tensor_parallel_size: int = setting(0, "--prefill-tp", metavar="N", help=(
+        "the prefill engine's ranks, where they differ from --tp; on a decode server that sends its prefills to "
+        "--prefill-endpoints, the ranks those prefill servers run (the KV transfers are planned for their split) "
+        "(default: --tp)"))
+    decode_tensor_parallel_size: int = setting(0, "--decode-tp", metavar="N", help=(
+        "the decode engine's ranks, where they differ from --tp (default: --tp)"))
     prefill_endpoints: str = setting("", "--prefill-endpoints", "host:port,... gRPC endpoints of prefill servers "
                                      "(`tandem serve --mode prefill`) that this decode server sends its prefills "
                                      "to (default: its own)")
@@ -304,6 +311,16 @@ class EngineSettings:
         """The faults to inject (``faults``, else ``$TANDEM_FAULTS``); None: none."""
         from tandem.rdma.faults import Faults
         return Faults.configured(self.faults or os.environ.get(ENV_FAULTS, ""))
+
+    @property
+    def prefill_tp(self) -> int:
+        """The prefill engine's tensor-parallel ranks (here, or on the prefill servers)."""
+        return self.prefill_tensor_parallel_size or self.tensor_parallel_size
+
+    @property
+    def decode_tp(self) -> int:
+        """The decode engine's tensor-parallel ranks (its shared pool is split for them)."""
+        return self.decode_tensor_parallel_size or self.tensor_parallel_size
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(self.model_dir, **(self.engine_kwargs() | overrides))

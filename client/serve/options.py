@@ -147,6 +147,35 @@ class ServeOptions:
     def ensembles(self) -> tuple[str, ...]:
         return tuple(m for m in self.models if m in ENSEMBLES or m in self.aliases)
 
+    def _check_tensor_parallel(self) -> None:
+        """--tp for every engine, --prefill-tp / --decode-tp per role where they differ."""
+        engine = self.engine
+        if engine.tensor_parallel_size < 1:
+            raise ServerError(f"--tp {engine.tensor_parallel_size}; allowed: an integer >= 1")
+        for flag, n in (("--prefill-tp", engine.prefill_tensor_parallel_size),
+                        ("--decode-tp", engine.decode_tensor_parallel_size)):
+            if n < 0:
+                raise ServerError(f"{flag} {n}; allowed: an integer >= 1 (or 0: --tp)")
+            if n and self.mode == "colocated":
+                raise ServerError(f"{flag} with --mode colocated: its one engine prefills and decodes; allowed: "
+                                  "--tp")
+        if engine.decode_tensor_parallel_size and self.mode == "prefill":
+            raise ServerError("--decode-tp with --mode prefill: a prefill server runs no decode engine; allowed: "
+                              "--tp or --prefill-tp")
+        # each role's ranks, under the flag that set them
+        split = [("--prefill-tp" if engine.prefill_tensor_parallel_size else "--tp", engine.prefill_tp),
+                 ("--decode-tp" if engine.decode_tensor_parallel_size else "--tp", engine.decode_tp)]
+        if self.mode == "colocated":
+            split = [("--tp", engine.tensor_parallel_size)]
+        flag, tp = max(split, key=lambda kv: kv[1])
+        if tp > 1 and self.mode != "colocated" and (self._uses("mtp_head") or self._uses("draft_model")):
+            raise ServerError(f"{flag} {tp} with --spec {engine.spec_method} on --mode {self.mode}: the draft "
+                              "model's or MTP head's KV is not split over tensor-parallel ranks yet; allowed: "
+                              "--spec ngram or none, or --mode colocated")
+        if max(tp, engine.tensor_parallel_size) > 1 and engine.max_loras:
+            raise ServerError(f"{flag} {tp} with --max-loras {engine.max_loras}: LoRA adapters are not split over "
+                              "ranks yet; allowed: one of them")
+
     def template_values(self) -> dict[str, str]:
         engine = self.engine
         self._check_disagg_policy()
@@ -155,19 +184,7 @@ class ServeOptions:
             raise ServerError(problem)
         if any(c in engine.faults for c in '"\\\n'):
             raise ServerError(f"--faults {engine.faults!r}: quotes, backslashes and line breaks are not allowed")
-        if engine.tensor_parallel_size < 1:
-            raise ServerError(f"--tp {engine.tensor_parallel_size}; allowed: an integer >= 1")
-        tp = engine.tensor_parallel_size
-        if tp > 1 and self.mode == "prefill":
-            raise ServerError(f"--tp {tp} with --mode prefill: the prefill engine runs one rank so far (a "
-                              "decode server's --tp splits its decode engine); allowed: --tp 1")
-        if tp > 1 and self.mode != "colocated" and (self._uses("mtp_head") or self._uses("draft_model")):
-            raise ServerError(f"--tp {tp} with --spec {engine.spec_method} on --mode {self.mode}: the draft "
-                              "model's or MTP head's KV is not split over decode ranks yet; allowed: --spec ngram "
-                              "or none, or --mode colocated")
-        if engine.tensor_parallel_size > 1 and engine.max_loras:
-            raise ServerError(f"--tp {engine.tensor_parallel_size} with --max-loras {engine.max_loras}: LoRA "
-                              "adapters are not split over ranks yet; allowed: one of them")
+        self._check_tensor_parallel()
         values = {k: "" if v is None else str(int(v) if isinstance(v, bool) else v)
                   for k, v in asdict(engine).items()}
         values |= {"mode": self.mode, "ensemble_name": self.ensemble_name, "decode_idle_threads": "0",

@@ -12,8 +12,13 @@ _state: dict = {}
 
 
 def _serve(conn) -> None:
+    import multiprocessing
+
     import torch
     torch.set_num_threads(1)
+    # the prefill may start tensor-parallel ranks, and multiprocessing lets no daemonic
+    # process have children; this peer's parent still ends it (Peer.close)
+    multiprocessing.current_process().daemon = False
     rdma_peers.serve_loop(conn, globals())
 
 

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
-from tandem.backends.disagg import SharedPoolTicket, context_nbytes, decode_engine
+from tandem.backends.disagg import SharedPoolTicket, context_nbytes, decode_engine, shard_scheme
 from tandem.backends.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tandem.backends.engine.prefill_engine import PrefillEngine, PrefillHooks
-from tandem.rdma import DestinationDescriptor
+from tandem.rdma import DestinationDescriptor, ShardScheme
 
 from ..unit.kv_reference import token_kv
 
@@ -75,11 +75,13 @@ def test_prefill_engine_chunks_and_add_prefilled_continue_in_process(demo_checkp
     assert decoder.allocator.num_free == decoder.allocator.num_pages
 
 
-def _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir):
-    """Reserve, submit every request to the decoder first (it waits for each KV without
-    blocking), have the prefill peer run them all; returns (tokens, finish reasons)."""
+def _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir, src=ShardScheme(1)):
+    """Reserve (for a prefill split as ``src``), submit every request to the decoder
+    first (it waits for each KV without blocking), have the prefill peer run them all;
+    returns (tokens, finish reasons)."""
     ctx = context_nbytes(model_dir, "float32")
-    descs = [rx_peer("rx_reserve", len(t) - 1, context_nbytes=(ctx,)) for t in ids]
+    descs = [rx_peer("rx_reserve", len(t) - 1, src=(src.tp_size, src.replica_sets), context_nbytes=(ctx,))
+             for t in ids]
     assert pool.stats().reserved > 0
     tokens = {i: [] for i in range(len(ids))}
     reasons, finished = {}, threading.Semaphore(0)
@@ -125,47 +127,69 @@ def test_disaggregated_greedy_equals_colocated(demo_checkpoint, colocated, make_
     assert prefill_peer("prefill_pages") == prefill_start_pages
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_one_prefill_rank_feeds_several_decode_ranks(demo_checkpoint, colocated, make_decode_pool, rx_peer,
-                                                     prefill_peer, tp):
-    """Prefill at TP 1, decode at TP 2 (KV heads split) and 4 (replicated): each page the
-    prefill process computed whole is cut by KV head into the decode ranks' files (the
-    plan's split), every write counted; the decoder's ranks continue from it and the
-    greedy text is the colocated engine's, twice; every page and reservation comes back."""
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (1, 4), (2, 1), (2, 2), (4, 1)])
+def test_prefill_and_decode_split_over_different_ranks(demo_checkpoint, colocated, make_decode_pool, rx_peer,
+                                                       prefill_peer, prefill_tp, decode_tp):
+    """The demo's 2 KV heads over prefill and decode ranks: TP 1 -> 2 (each page split by
+    head range into the decode ranks' files), 1 -> 4 (heads replicated over decode's two
+    replica sets), 2 -> 1 (each page rebuilt from the two prefill ranks' halves, every
+    prefill rank sending from its shared-memory pool), 2 -> 2 (rank to rank), 4 -> 1
+    (one replica set of the prefill's sends, the other's pages stay home). Every write
+    is counted: the decoder's ranks continue from it and the greedy text is the colocated
+    engine's, twice; the receiver got exactly the bytes the plans say; every page and
+    reservation comes back."""
     expected, ref = colocated
     model_dir = str(demo_checkpoint)
-    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, tp=tp)
-    assert pool.spec.scheme.tp_size == tp
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, tp=decode_tp)
+    assert pool.spec.scheme.tp_size == decode_tp
     start = pool.stats()
     rx_peer("rx_start", pool.spec.name)
-    prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8, num_pages=32)
-    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64, tensor_parallel_size=tp)
+    prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8, num_pages=32,
+                 tensor_parallel_size=prefill_tp)
+    prefill_start_pages = prefill_peer("prefill_pages")
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64,
+                           tensor_parallel_size=decode_tp)
     engine.start()
+    cfg = engine.engine.model.config
+    src = shard_scheme(cfg.num_key_value_heads, prefill_tp)
     try:
-        cfg = engine.engine.model.config
-        assert engine.engine.pool.num_kv_heads == max(cfg.num_key_value_heads // tp, 1)
+        assert engine.engine.pool.num_kv_heads == max(cfg.num_key_value_heads // decode_tp, 1)
         ids = [ref.tokenize(p) for p in PROMPTS]
         for _ in range(2):
             received = rx_peer("rx_stats")["bytes_received"]
-            tokens, reasons = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
+            tokens, reasons = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir, src)
             assert reasons == ["length"] * len(ids)
             assert tokens == expected
             # exactly the bytes the plans say: every rank's head range of every page, and the context
             assert rx_peer("rx_stats")["bytes_received"] - received == sum(
-                planned_bytes(pool, len(t) - 1, context_nbytes(model_dir, "float32")) for t in ids)
+                planned_bytes(pool, src, len(t) - 1, context_nbytes(model_dir, "float32")) for t in ids)
     finally:
         engine.shutdown()
     assert pool.stats() == start
+    assert prefill_peer("prefill_pages") == prefill_start_pages
 
 
-def planned_bytes(pool, num_tokens: int, context: int) -> int:
-    """The bytes a one-rank prefill sends for ``num_tokens`` tokens into ``pool``."""
-    from tandem.rdma import ShardScheme
+def planned_bytes(pool, src, num_tokens: int, context: int) -> int:
+    """The bytes a prefill split as ``src`` sends for ``num_tokens`` tokens into ``pool``."""
     from tandem.rdma.plan import pages_needed, plan_transfer
     page_size = pool.spec.models[0].page_size
     plan = plan_transfer(pool.spec.models, list(range(pages_needed(num_tokens, page_size))), num_tokens,
-                         ShardScheme(1), pool.spec.scheme, context_nbytes=(context,))
+                         src, pool.spec.scheme, context_nbytes=(context,))
     return sum(m.num_layers * int(ops.nbytes.sum()) for m, ops in zip(plan.models, plan.layer_ops)) + context
+
+
+def test_a_descriptor_for_another_prefill_split_is_refused_by_name(demo_checkpoint, make_decode_pool, rx_peer,
+                                                                   prefill_peer):
+    """A decode server planning for one prefill rank, fed by a prefill of two: the job is
+    refused before anything is prefilled, naming the setting to change."""
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=16)
+    rx_peer("rx_start", pool.spec.name)
+    prefill_peer("prefill_start", model_dir, page_size=4, num_pages=16, tensor_parallel_size=2)
+    desc = rx_peer("rx_reserve", 5, context_nbytes=(context_nbytes(model_dir, "float32"),))
+    error = prefill_peer("prefill_submit", desc, list(range(1, 7)))
+    assert "planned this transfer for a prefill of 1 tensor-parallel rank(s); this prefill runs 2" in error
+    assert "--prefill-tp 2" in error
 
 
 def test_a_decode_engine_split_differently_from_its_pool_is_refused(demo_checkpoint, make_decode_pool):

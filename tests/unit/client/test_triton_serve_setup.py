@@ -144,6 +144,13 @@ def _config(name: str):
     return _parse(MODEL_REPOSITORY / name / "config.pbtxt")
 
 
+def _settings(path: Path):
+    """The EngineSettings a model reads from its rendered config.pbtxt (as Triton hands it over)."""
+    from tandem.backends.triton.settings import EngineSettings
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', path.read_text()))
+    return EngineSettings.from_model_config({"parameters": {k: {"string_value": v} for k, v in params.items()}})
+
+
 @pytest.mark.parametrize("name,inputs,outputs", [
     ("tandem", INPUT_NAMES, OUTPUT_NAMES),
     ("tandem_colocated", INPUT_NAMES, OUTPUT_NAMES),
@@ -548,11 +555,7 @@ def test_decode_speed_options_reach_the_engine_config(tmp_path, demo_checkpoint)
                            compile_cache_dir=str(tmp_path / "ic"), draft_vocab_size=64)
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
     for name in ("decode", "llm"):
-        text = (repo / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
-        settings = EngineSettings.from_model_config(
-            {"parameters": {k: {"string_value": v} for k, v in params.items()}})
-        config = settings.engine_config()
+        config = _settings(repo / name / "config.pbtxt").engine_config()
         assert (config.compile, config.enforce_eager) == ("all", True), name
         assert config.compile_cache_dir == str(tmp_path / "ic"), name
         assert config.speculative.draft_vocab_size == 64, name
@@ -571,7 +574,14 @@ def test_every_model_config_parses(name):
 
 
 @pytest.mark.parametrize("options,problem", [
-    (dict(mode="prefill", tensor_parallel_size=2), "--tp 2 with --mode prefill: the prefill engine runs one rank"),
+    (dict(mode="colocated", prefill_tensor_parallel_size=2), "--prefill-tp with --mode colocated"),
+    (dict(mode="colocated", decode_tensor_parallel_size=2), "--decode-tp with --mode colocated"),
+    (dict(mode="prefill", decode_tensor_parallel_size=2), "--decode-tp with --mode prefill: a prefill server runs "
+                                                          "no decode engine"),
+    (dict(mode="disaggregated", decode_tensor_parallel_size=-1), "--decode-tp -1; allowed: an integer >= 1"),
+    (dict(mode="disaggregated", prefill_tensor_parallel_size=2, spec_method="draft_target"),
+     "--prefill-tp 2 with --spec draft_target on --mode disaggregated"),
+    (dict(mode="prefill", tensor_parallel_size=2, spec_method="mtp"), "--tp 2 with --spec mtp on --mode prefill"),
     (dict(mode="disaggregated", tensor_parallel_size=2, spec_method="auto"), "--tp 2 with --spec auto on --mode "
                                                                               "disaggregated: the "
                                                          "draft model's or MTP head's KV is not split"),
@@ -591,3 +601,17 @@ def test_the_engines_get_their_tensor_parallel_size(tmp_path, mode, models):
     repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
     for m in models:
         assert 'key: "tensor_parallel_size" value: { string_value: "2" }' in (repo / m / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("flags,prefill,decode", [(dict(tensor_parallel_size=2), 2, 2),
+                                                  (dict(prefill_tensor_parallel_size=2), 2, 1),
+                                                  (dict(tensor_parallel_size=2, decode_tensor_parallel_size=1), 2, 1),
+                                                  (dict(decode_tensor_parallel_size=2), 1, 2)])
+def test_prefill_and_decode_get_their_own_split(tmp_path, demo_checkpoint, flags, prefill, decode):
+    """--tp splits both roles, --prefill-tp / --decode-tp one each: every model of a
+    disaggregated server reads the same split (kv_transfer plans transfers between them)."""
+    options = ServeOptions.of(model_dir=str(demo_checkpoint), mode="disaggregated", spec_method="ngram", **flags)
+    repo = render_repository(tmp_path / "repo", options.template_values(), models=options.models)
+    for m in ("decode", "kv_transfer", "prefill"):
+        s = _settings(repo / m / "config.pbtxt")
+        assert (s.prefill_tp, s.decode_tp) == (prefill, decode), m
