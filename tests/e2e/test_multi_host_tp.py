@@ -1,7 +1,10 @@
-"""Prefill at 1 rank on one "host", decode at 2 tensor-parallel ranks on another (network
-namespaces joined by a veth pair, UCX held to TCP on it: see test_multi_host.py): each
-page the prefill server computes whole crosses the link cut by KV head into the two
-decode ranks' pool files, and the greedy text equals the single-host engine's."""
+"""Prefill and decode at different tensor-parallel splits on two "hosts" (network
+namespaces joined by a veth pair, UCX held to TCP on it: see test_multi_host.py): prefill
+at 1 rank, decode at 2 (each page the prefill server computes whole crosses the link cut
+by KV head into the two decode ranks' pool files), and prefill at 2, decode at 1 (each
+prefill rank's messenger sends its half of every page, rebuilt whole in decode's pool;
+the decode server plans for them with --prefill-tp 2). The greedy text equals the
+single-host engine's."""
 from __future__ import annotations
 
 import pytest
@@ -13,20 +16,26 @@ from .triton_calls import eventually
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def servers(link, demo_checkpoint, tmp_path_factory):
+SPLITS = {"prefill-1-decode-2": (1, 2), "prefill-2-decode-1": (2, 1)}
+
+
+@pytest.fixture(scope="module", params=list(SPLITS))
+def servers(link, demo_checkpoint, tmp_path_factory, request):
+    prefill_tp, decode_tp = SPLITS[request.param]
     started = []
     try:
         prefill = Server(link, "a", d := tmp_path_factory.mktemp("prefill-ns-tp"),
-                         _serve(link, "a", d, mode="prefill", model=demo_checkpoint, spec="none"))
+                         _serve(link, "a", d, mode="prefill", model=demo_checkpoint, spec="none", tp=prefill_tp,
+                                threads=prefill_tp))
         started.append(prefill)
         decode = Server(link, "b", d := tmp_path_factory.mktemp("decode-ns-tp"),
-                        _serve(link, "b", d, mode="disaggregated", model=demo_checkpoint, spec="none", tp=2,
-                               threads=2, prefill_endpoints=f"{link.addr['a']}:{GRPC}", disagg_policy="remote"))
+                        _serve(link, "b", d, mode="disaggregated", model=demo_checkpoint, spec="none", tp=decode_tp,
+                               prefill_tp=prefill_tp, threads=decode_tp,
+                               prefill_endpoints=f"{link.addr['a']}:{GRPC}", disagg_policy="remote"))
         started.append(decode)
         for srv in started:
             srv.wait_ready()
-        yield prefill, decode
+        yield prefill, decode, request.param
     finally:
         for srv in reversed(started):
             srv.stop()
@@ -38,10 +47,12 @@ def reference(greedy_reference):
     return {p: greedy(p).text for p in PROMPTS}
 
 
-def test_one_prefill_rank_feeds_two_decode_ranks_across_hosts(servers, reference):
-    _, decode = servers
-    config = (decode.run_dir / "model_repository" / "decode" / "config.pbtxt").read_text()
-    assert 'key: "tensor_parallel_size" value: { string_value: "2" }' in config
+def test_prefill_and_decode_ranks_split_differently_across_hosts(servers, reference):
+    prefill, decode, split = servers
+    prefill_tp, decode_tp = SPLITS[split]
+    for srv, model, tp in ((prefill, "prefill", prefill_tp), (decode, "decode", decode_tp)):
+        config = (srv.run_dir / "model_repository" / model / "config.pbtxt").read_text()
+        assert f'key: "tensor_parallel_size" value: {{ string_value: "{tp}" }}' in config
     for p in PROMPTS:
         status, out = decode.generate(p)
         assert status == 200, out

@@ -3,9 +3,10 @@ target with a rank process it starts, and the greedy text through the
 ``tandem_colocated`` ensemble is the one-rank offline engine's; the rank SIGKILLed, the
 next request fails, the stub exits (its engine cannot serve), readiness drops, the
 supervisor restarts the model with a new rank, and the text is right again; stopping
-the server leaves no rank behind. Disaggregated: prefill at 1 rank feeds decode at 2
-through the ``tandem`` ensemble (the KV split over the decode ranks' pool files), and
-the text is the same."""
+the server leaves no rank behind. Disaggregated, through the ``tandem`` ensemble: prefill
+at 2 ranks feeds decode at 1 (each page rebuilt from the prefill ranks' halves), and both
+at 2 (rank to rank), and the text is the same; a killed prefill rank or decode rank
+restarts its model."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import pytest
 from tandem.client.generate import stream_generate
 from tandem.client.serve.triton_server import stub_processes
 
-from .triton_calls import eventually, metric_reaches
+from .triton_calls import eventually, metric, metric_reaches
 
 pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4)
@@ -82,14 +83,18 @@ def test_two_ranks_serve_the_one_rank_engines_text(server, reference):
     assert text(server) == reference
 
 
-def kill_a_rank_and_recover(server, model: str, ensemble: str, reference: str) -> None:
-    """SIGKILL ``model``'s rank: the next request fails, the stub exits and is restarted
-    with a new rank, and the text is right again."""
+def kill_a_rank_and_recover(server, model: str, ensemble: str, reference: str, fails: bool = True) -> None:
+    """SIGKILL ``model``'s rank: the next request fails (``fails``; else it is still
+    served), the stub exits and is restarted with a new rank, and the text is right
+    again."""
     stub = stub_of(server, model)
     (rank,) = ranks_of(stub.pid)
     os.kill(rank, 9)
-    with pytest.raises(Exception):     # the engine stops: this request ends with an error
-        text(server, ensemble)
+    if fails:
+        with pytest.raises(Exception):     # the engine stops: this request ends with an error
+            text(server, ensemble)
+    else:
+        assert text(server, ensemble) == reference
 
     def restarted():
         new = stub_of(server, model)
@@ -112,28 +117,53 @@ def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
     kill_a_rank_and_recover(server, "llm", ENSEMBLE, reference)
 
 
-@pytest.fixture(scope="module")
-def disaggregated(serve):
-    """Prefill at 1 rank, decode at 2: every prompt through the prefill process
-    (``--disagg-policy remote``), its KV split over the decode ranks' pool files."""
-    with serve("serve-tp-disagg", 300, mode="disaggregated", tensor_parallel_size=2, torch_threads=2,
-               disagg_policy="remote", **SETTINGS) as srv:
-        yield srv
-        ranks = [r for s in srv.stubs() if s.model == "decode" for r in ranks_of(s.pid)]
+SPLITS = {"prefill-2-decode-1": dict(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=1),
+          "tp-2": dict(tensor_parallel_size=2)}
+
+
+@pytest.fixture(scope="module", params=list(SPLITS))
+def disaggregated(serve, request):
+    """Prefill at 2 ranks feeding decode at 1 (each page rebuilt from the two prefill
+    ranks' halves), and both at 2 (``--tp 2``: rank to rank): every prompt through the
+    prefill process (``--disagg-policy remote``)."""
+    with serve(f"serve-tp-{request.param}", 300, mode="disaggregated", torch_threads=2, disagg_policy="remote",
+               **SPLITS[request.param], **SETTINGS) as srv:
+        yield srv, request.param
+        ranks = [r for s in srv.stubs() if s.model in ("decode", "prefill") for r in ranks_of(s.pid)]
         srv.stop()
         assert stub_processes(srv.run_dir) == [] and srv.owned_segments() == []
         eventually(lambda: not any(alive(r) for r in ranks), timeout_s=30)
 
 
-def test_one_prefill_rank_feeds_two_decode_ranks_through_the_ensembles(disaggregated, reference):
-    decode = stub_of(disaggregated, "decode")
-    assert len(ranks_of(decode.pid)) == 1, "the decode stub started one rank process"
-    rs = list(stream_generate(disaggregated.grpc_url, PROMPT, model="tandem", timeout_s=60,
-                              max_tokens=MAX_TOKENS, temperature=0.0, stream=True))
-    assert "".join(r.text for r in rs) == reference
-    metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", 1,
+def remote_text(server) -> str:
+    rs = list(stream_generate(server.grpc_url, PROMPT, model="tandem", timeout_s=60, max_tokens=MAX_TOKENS,
+                              temperature=0.0, stream=True))
+    return "".join(r.text for r in rs)
+
+
+def test_prefill_and_decode_ranks_serve_the_one_rank_engines_text(disaggregated, reference):
+    disaggregated, split = disaggregated[0], SPLITS[disaggregated[1]]
+    decode_tp = split.get("decode_tensor_parallel_size") or split["tensor_parallel_size"]
+    assert len(ranks_of(stub_of(disaggregated, "prefill").pid)) == 1, "the prefill stub started one rank process"
+    assert len(ranks_of(stub_of(disaggregated, "decode").pid)) == decode_tp - 1
+    before = metric(disaggregated, "tandem_disagg_requests_total", "kv_transfer", path="remote", reason="policy")
+    assert remote_text(disaggregated) == reference
+    metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", before + 1,
                    "the prompt was not prefilled by the prefill process", path="remote", reason="policy")
 
 
-def test_a_killed_decode_rank_restarts_decode(disaggregated, reference):
-    kill_a_rank_and_recover(disaggregated, "decode", "tandem", reference)
+def test_a_killed_rank_restarts_its_model(disaggregated, reference):
+    """Prefill at 2 ranks: its rank killed, the prefill stub exits at its next job and is
+    restarted with a new rank (the prompt meanwhile prefilled in decode: still the right
+    text). Both at 2: decode's rank killed, as in the colocated case."""
+    disaggregated, split = disaggregated
+    if split == "tp-2":
+        return kill_a_rank_and_recover(disaggregated, "decode", "tandem", reference)
+    kill_a_rank_and_recover(disaggregated, "prefill", "tandem", reference, fails=False)
+    before = metric(disaggregated, "tandem_disagg_requests_total", "kv_transfer", path="remote", reason="policy")
+
+    def prefilled_by_the_new_ranks():   # (until the restarted prefill takes jobs, decode prefills)
+        assert remote_text(disaggregated) == reference
+        assert metric(disaggregated, "tandem_disagg_requests_total", "kv_transfer", path="remote",
+                      reason="policy") > before, "no prompt went to the restarted prefill"
+    eventually(prefilled_by_the_new_ranks, timeout_s=120)
