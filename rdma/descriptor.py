@@ -170,7 +170,7 @@ class DestinationDescriptor:
             if max_run < 1 or any(n < 1 for n in ctx):
                 raise ValueError("max_run_pages and context blob sizes must be >= 1")
             for m in models:     # raise if a scheme cannot split the model's heads
-                src.heads_per_rank(m.num_kv_heads), dst.heads_per_rank(m.num_kv_heads)
+                m.heads_per_rank(src), m.heads_per_rank(dst)
             _check_pieces(models, src, dst, seed, limits)
             total, widest = count_ops(models, pages, src, dst, max_run, n_ctx, seed)
         except MalformedMessage:
@@ -209,9 +209,10 @@ def check_for_pool(desc: DestinationDescriptor, spec) -> None:
 def _check_pieces(models, src: ShardScheme, dst: ShardScheme, seed: int,
                   limits: DescriptorLimits) -> None:
     for m in models:
-        for pair in shard_pairs(src, dst, m.num_kv_heads, seed):
-            n = num_page_pieces(m.kv_layout, src.head_range(pair.src_rank, m.num_kv_heads),
-                                dst.head_range(pair.dst_rank, m.num_kv_heads), pair.heads,
+        s, d = m.split(src), m.split(dst)
+        for pair in shard_pairs(s, d, m.num_kv_heads, seed):
+            n = num_page_pieces(m.kv_layout, s.head_range(pair.src_rank, m.num_kv_heads),
+                                d.head_range(pair.dst_rank, m.num_kv_heads), pair.heads,
                                 m.page_size, m.head_dim)
             _at_most(f"pieces per page of {m.name!r}", n, limits.max_pieces_per_page)
 

@@ -106,7 +106,9 @@ class ShardScheme:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Geometry of one model's KV pool (unsharded head count)."""
+    """Geometry of one model's KV pool (unsharded head count). ``leader_only``: the model
+    runs on rank 0 alone on either side (a draft model or MTP head beside a
+    tensor-parallel target), so rank 0 holds its KV whole whatever the sides' sharding."""
     name: str
     num_layers: int
     num_kv_heads: int
@@ -114,6 +116,7 @@ class ModelSpec:
     page_size: int
     dtype: str = "bfloat16"
     kv_layout: str = "HND"
+    leader_only: bool = False
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -131,6 +134,18 @@ class ModelSpec:
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+    def split(self, scheme: "ShardScheme") -> "ShardScheme":
+        """How a side sharded as ``scheme`` holds this model's KV.
+
+        >>> ModelSpec("draft", 2, 2, 8, 4, leader_only=True).split(ShardScheme(4))
+        ShardScheme(tp_size=1, replica_sets=1)
+        """
+        return ShardScheme(1) if self.leader_only else scheme
+
+    def heads_per_rank(self, scheme: "ShardScheme") -> int:
+        """KV heads of this model a rank of a side sharded as ``scheme`` holds."""
+        return self.split(scheme).heads_per_rank(self.num_kv_heads)
 
     def page_shape(self, heads: int) -> tuple[int, ...]:
         """One page of one layer: [2, H, page_size, D] (HND) or [2, page_size, H, D] (NHD)."""
@@ -319,6 +334,7 @@ class LayerOps:
 def layer_ops(spec: ModelSpec, page_ids, src: ShardScheme, dst: ShardScheme,
               max_run_pages: int = 1, seed: int = 0) -> LayerOps:
     """The operations that move one layer of ``page_ids`` (destination page ids)."""
+    src, dst = spec.split(src), spec.split(dst)
     cols = {k: [] for k in LayerOps.__slots__}
     runs = page_runs(list(page_ids), max_run_pages)
     for pair in shard_pairs(src, dst, spec.num_kv_heads, seed):
@@ -437,6 +453,7 @@ def count_layer_ops(spec: ModelSpec, page_ids, src: ShardScheme, dst: ShardSchem
     >>> count_layer_ops(spec, [4, 5, 6, 9], ShardScheme(1), ShardScheme(1), 16)
     2
     """
+    src, dst = spec.split(src), spec.split(dst)
     runs = None
     total = 0
     for pair in shard_pairs(src, dst, spec.num_kv_heads, seed):

@@ -80,7 +80,7 @@ class PoolSpec:
             raise ValueError(f"max_pins={self.max_pins}; allowed: 0..{self.num_pages}")
 
     def kv_bytes(self, model: ModelSpec) -> int:
-        return model.pool_bytes(self.scheme.heads_per_rank(model.num_kv_heads), self.num_pages)
+        return model.pool_bytes(model.heads_per_rank(self.scheme), self.num_pages)
 
 
 # -- file names ----------------------------------------------------------------------------
@@ -324,6 +324,8 @@ class KVFiles:
         self._maps, self._kv = [], {}
         for rank in range(spec.scheme.tp_size):
             for m in spec.models:
+                if rank >= m.split(spec.scheme).tp_size:
+                    continue   # a leader-only model's KV: rank 0's file alone
                 fd, mm = map_file(kv_path(spec.name, rank, m.name), spec.kv_bytes(m), create)
                 self._maps.append((fd, mm))
                 arr = np.ndarray(spec.kv_bytes(m), np.uint8, buffer=mm)

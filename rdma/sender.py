@@ -180,9 +180,12 @@ class KVSender(Messenger):
         models = []
         for m in desc.models:
             src = self.pools.get(m.name)
+            if src is None and m.leader_only and self.rank > 0:
+                models.append(-1)   # rank 0 sends it all
+                continue
             if src is None:
                 raise ValueError(f"no source pool for model {m.name!r}; have {self._names}")
-            heads = self.scheme.heads_per_rank(m.num_kv_heads)
+            heads = m.heads_per_rank(self.scheme)
             mine = (src.spec.num_layers, src.heads, src.spec.head_dim, src.spec.page_size,
                     src.spec.itemsize, src.spec.kv_layout)
             theirs = (m.num_layers, heads, m.head_dim, m.page_size, m.itemsize, m.kv_layout)

@@ -210,7 +210,7 @@ class SharedKVPool:
 
     def page_bytes(self, model: str) -> int:
         m = self.model(model)
-        return m.page_bytes(self.spec.scheme.heads_per_rank(m.num_kv_heads))
+        return m.page_bytes(m.heads_per_rank(self.spec.scheme))
 
     def layer_bytes(self, model: str) -> int:
         return self.page_bytes(model) * self.spec.num_pages

@@ -121,8 +121,8 @@ def encode_models(models: tuple[ModelSpec, ...]) -> bytes:
     for m in models:
         name = m.name.encode()
         out.append(struct.pack("<B", len(name)) + name)
-        out.append(struct.pack("<IIIIBB", m.num_layers, m.num_kv_heads, m.head_dim, m.page_size,
-                               _DTYPES.index(m.dtype), KV_LAYOUTS.index(m.kv_layout)))
+        out.append(struct.pack("<IIIIBBB", m.num_layers, m.num_kv_heads, m.head_dim, m.page_size,
+                               _DTYPES.index(m.dtype), KV_LAYOUTS.index(m.kv_layout), m.leader_only))
     return b"".join(out)
 
 
@@ -130,12 +130,12 @@ def decode_models(r: Reader) -> tuple[ModelSpec, ...]:
     models = []
     for _ in range(r.unpack("<B")[0]):
         name = r.take(r.unpack("<B")[0])
-        layers, heads, head_dim, page_size, dt, lay = r.unpack("<IIIIBB")
-        if dt >= len(_DTYPES) or lay >= len(KV_LAYOUTS):
-            raise MalformedMessage(f"unknown dtype code {dt} or layout code {lay}")
+        layers, heads, head_dim, page_size, dt, lay, leader_only = r.unpack("<IIIIBBB")
+        if dt >= len(_DTYPES) or lay >= len(KV_LAYOUTS) or leader_only > 1:
+            raise MalformedMessage(f"unknown dtype code {dt}, layout code {lay} or flag {leader_only}")
         try:
             models.append(ModelSpec(name.decode(), layers, heads, head_dim, page_size,
-                                    _DTYPES[dt], KV_LAYOUTS[lay]))
+                                    _DTYPES[dt], KV_LAYOUTS[lay], bool(leader_only)))
         except (UnicodeDecodeError, ValueError) as e:
             raise MalformedMessage(f"bad model spec: {e}") from None
     return tuple(models)

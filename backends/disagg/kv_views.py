@@ -32,7 +32,7 @@ def shared_page_pool(pool: SharedKVPool, rank: int, model: str) -> KVPagePool:
     ``model`` (no copy: writes land in the shared pool)."""
     m = pool.model(model)
     return KVPagePool(m.num_layers, pool.spec.num_pages,
-                      pool.spec.scheme.heads_per_rank(m.num_kv_heads), m.page_size,
+                      m.heads_per_rank(pool.spec.scheme), m.page_size,
                       m.head_dim, getattr(torch, m.dtype), m.kv_layout,
                       buffer=torch.frombuffer(pool.kv(rank, model), dtype=torch.uint8))
 
@@ -49,7 +49,7 @@ class RankShare:
         spec = read_spec(self.pool_name)
         m = next(x for x in spec.models if x.name == self.model)
         _, mapping = map_file(kv_path(spec.name, rank, m.name), spec.kv_bytes(m), create=False)
-        return KVPagePool(m.num_layers, spec.num_pages, spec.scheme.heads_per_rank(m.num_kv_heads), m.page_size,
+        return KVPagePool(m.num_layers, spec.num_pages, m.heads_per_rank(spec.scheme), m.page_size,
                           m.head_dim, getattr(torch, m.dtype), m.kv_layout,
                           buffer=torch.frombuffer(mapping, dtype=torch.uint8))
 

@@ -37,19 +37,15 @@ def decode_pool_spec(name: str, model_dir: str, dtype: str, page_size: int, kv_l
 
     ``tp``: the decode engine's tensor-parallel ranks; each holds its KV heads in its own
     file, split as the engine splits them (KV heads replicated over ranks where there
-    are fewer heads than ranks). A proposer's KV (draft model, MTP head) is not split
-    over ranks yet, so speculation with one is refused there."""
-    def kv(kv_name, cfg):
+    are fewer heads than ranks). A proposer (draft model, MTP head) runs on rank 0
+    alone, on either side: its KV is rank 0's, whole (``leader_only``)."""
+    def kv(kv_name, cfg, leader_only=False):
         return ModelSpec(kv_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                         page_size, dtype, kv_layout)
+                         page_size, dtype, kv_layout, leader_only)
     target = ModelConfig.from_dir(model_dir)
     models = (kv(TARGET, target),)
     if speculative is not None and speculative.has_kv:
-        if tp > 1:
-            raise ValueError(f"tensor_parallel_size={tp} with speculative method {speculative.method!r} on the "
-                             "disaggregated decode pool: the proposer's KV is not split over ranks yet; allowed: "
-                             "ngram or no speculation, or 1 rank")
-        models += (kv(speculative.kv_name, speculative.kv_config(model_dir)),)
+        models += (kv(speculative.kv_name, speculative.kv_config(model_dir), leader_only=True),)
     if headroom_pages is None:
         headroom_pages = default_headroom(num_pages, page_size, max_num_seqs, speculative)
     max_pins = min(num_pages, pages_needed(target.max_position_embeddings, page_size)) \

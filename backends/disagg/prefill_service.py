@@ -91,18 +91,20 @@ class PrefillService(PrefillHooks):
         self.engine = PrefillEngine.from_config(config, hooks=self)
         tp = self.tp = config.tensor_parallel_size
         model = self.engine.model
-        if tp > 1 and self.engine.proposer is not None:
-            self.engine.close()
-            raise ValueError(f"tensor_parallel_size={tp} with speculative method {config.speculative.method!r}: "
-                             "the proposer's KV is not split over prefill ranks yet; allowed: ngram or no "
-                             "speculation, or 1 rank")
         self.scheme = shard_scheme(model.config.num_key_value_heads, tp)
         self.kv_names = [TARGET] + ([self.engine.proposer_name] if self.engine.proposer is not None else [])
         # the one context blob: the last prefilled token's hidden state
         self.context_nbytes = model.config.hidden_size * model.embed_tokens.weight.element_size()
-        self.senders = [KVSender(self._source_pools(rank), rank, self.scheme, sender_config,
-                                 name="prefill-messenger" + (f"-r{rank}" if tp > 1 else ""))
-                        for rank in range(tp)]
+        self.senders = []
+        try:
+            for rank in range(tp):
+                self.senders.append(KVSender(self._source_pools(rank), rank, self.scheme, sender_config,
+                                             name="prefill-messenger" + (f"-r{rank}" if tp > 1 else "")))
+        except BaseException:   # (UCX could not start a worker): nothing left running
+            for sender in self.senders:
+                sender.close()
+            self.engine.close()
+            raise
         self.sender = self.senders[0]
         self._faults = self.sender.config.faults
         self._jobs: dict[str, tuple[DestinationDescriptor, DoneCallback]] = {}
@@ -122,10 +124,10 @@ class PrefillService(PrefillHooks):
         self.failure: BaseException | None = None
 
     def _source_pools(self, rank: int) -> dict:
-        """Rank ``rank``'s KV as its messenger sends it: the target's share (and the
-        proposer's KV, which only a one-rank prefill has)."""
+        """Rank ``rank``'s KV as its messenger sends it: the target's share, and on rank 0
+        the proposer's KV, whole (the proposer runs there alone)."""
         pools = {TARGET: source_pool(TARGET, self.engine.rank_pools[rank], self.scheme)}
-        if self.engine.proposer is not None:
+        if self.engine.proposer is not None and rank == 0:
             pools[self.engine.proposer_name] = source_pool(self.engine.proposer_name,
                                                            self.engine.proposer.pool)
         return pools

@@ -139,19 +139,24 @@ class PrefillEngine:
         model = load_model(config.model_dir, config.dtype, config.device)
         dtype = model.embed_tokens.weight.dtype
         ranks = start_shared_ranks(config, model) if config.tensor_parallel_size > 1 else None
-        pool, allocator = make_kv_pool(config, model.rank_config, dtype)
-        proposer, spec = None, config.speculative
-        if spec is not None and spec.has_kv:   # ngram has no KV to fill
-            p = load_proposer_model(spec, model, config.dtype, config.device)
-            proposer = (spec.kv_name, ProposerPrefill(
-                p, model, kv_page_pool(config, p.config, pool.num_pages, dtype)))
-        cached_pools = [pool] + ([proposer[1].pool] if proposer is not None else [])
-        prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
-                  if isinstance(allocator, CachingKVAllocator) else None)
-        lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
-                             lora_dtype(config.device, dtype)) if config.max_loras else None
-        if ranks is not None:
-            ranks.ready()
+        try:   # a failure here stops the ranks and removes their pool files
+            pool, allocator = make_kv_pool(config, model.rank_config, dtype)
+            proposer, spec = None, config.speculative
+            if spec is not None and spec.has_kv:   # ngram has no KV to fill
+                p = load_proposer_model(spec, model, config.dtype, config.device)
+                proposer = (spec.kv_name, ProposerPrefill(
+                    p, model, kv_page_pool(config, p.config, pool.num_pages, dtype)))
+            cached_pools = [pool] + ([proposer[1].pool] if proposer is not None else [])
+            prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
+                      if isinstance(allocator, CachingKVAllocator) else None)
+            lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
+                                 lora_dtype(config.device, dtype)) if config.max_loras else None
+            if ranks is not None:
+                ranks.ready()
+        except BaseException:
+            if ranks is not None:
+                ranks.stop()
+            raise
         return cls(model, pool, allocator, config.max_num_batched_tokens,
                    config.max_num_seqs, hooks, proposer, prefix, lora_pool, ranks)
 

@@ -78,6 +78,11 @@ class TensorParallelRanks:
         finally:
             self.files.unlink()
 
+    def stop(self) -> None:
+        """The leader failed to build its share: stop the ranks, remove the files."""
+        self.group.stop()
+        self.files.unlink()
+
 
 def start_shared_ranks(config: EngineConfig, model: LlamaForCausalLM) -> TensorParallelRanks:
     """Ranks 1..tp-1 started with their KV pools in shared memory the leader maps, and
@@ -139,6 +144,10 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
 
     def forward(self, batch: ForwardBatch, on_layer_done=None):
+        if torch.get_num_threads() != self.group.threads:
+            # the leader's share on whichever thread steps (a server's engine thread
+            # starts with the process's default, and its thread hooks would borrow more)
+            torch.set_num_threads(self.group.threads)
         self.group.send(batch)
         lagged = LayerDoneAfterAllReduce(on_layer_done) if on_layer_done is not None else None
         try:

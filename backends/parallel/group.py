@@ -131,21 +131,25 @@ class RankGroup:
         ctx.set_executable(sys.executable if os.path.basename(sys.executable).startswith("python")
                            else os.path.join(sys.prefix, "bin", "python3"))
         self.procs, self.conns = [], []
-        for rank in range(1, tp):
-            parent, child = ctx.Pipe()
-            spec = RankSpec(rank, tp, store.port, timeout_s, self.threads, payload, shm_path)
-            proc = ctx.Process(target=entry, args=(spec, child), name=f"tandem-tp-rank{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
-        torch.set_num_threads(self.threads)
-        try:   # the ranks join before they load anything: seconds, well within timeout_s
+        try:
+            for rank in range(1, tp):
+                parent, child = ctx.Pipe()
+                spec = RankSpec(rank, tp, store.port, timeout_s, self.threads, payload, shm_path)
+                proc = ctx.Process(target=entry, args=(spec, child), name=f"tandem-tp-rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            torch.set_num_threads(self.threads)
+            # the ranks join before they load anything: seconds, well within timeout_s
             self.collective = Collective(store, 0, tp, timeout_s, shm_path)
         except RuntimeError as err:
             self.stop()
             raise RankFailed(f"tensor-parallel ranks did not join: {err}; {self._exits()}") from err
-        finally:   # every rank mapped it before it joined: the name is no longer needed
+        except BaseException:
+            self.stop()
+            raise
+        finally:   # every rank mapped it before it joined (or none will): the name is no longer needed
             if shm_path is not None:
                 os.unlink(shm_path)
         self.store = store

@@ -1,6 +1,6 @@
 """``tandem bench tp``: a decode step split over N tensor-parallel ranks (one thread
 each: a core per rank on a 2-core machine) against one rank with 2 threads, at batch 1
-and 16, per model and dtype. N is ``--tp``, or by default the smallest size above 1
+and 16, and a prefill forward of one ``--prefill-tokens`` prompt, per model and dtype. N is ``--tp``, or by default the smallest size above 1
 that splits the model (2 for the demo; 3 for SmolLM2-135M, whose 9 heads and 3 KV heads
 2 does not divide: 3 ranks then share the 2 cores).
 
@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from tandem.client.bench.args import CommaList, model_path, names, positive_int, positive_ints
+from tandem.client.bench.args import CommaList, model_path, names, non_negative_int, positive_int, positive_ints
 from tandem.client.bench.repeats import fmt, spread
 from tandem.client.bench.report import cpu_info, header, write
 
@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive_int, default=None,
                    help="ranks of the split side (default: the smallest size above 1 that splits each model)")
     p.add_argument("--context", type=positive_int, default=128, help="tokens already in each sequence's KV")
+    p.add_argument("--prefill-tokens", type=non_negative_int, default=512,
+                   help="tokens of the one prompt a prefill forward computes (0: no prefill row)")
     p.add_argument("--steps", type=positive_int, default=30, help="decode steps per measurement")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of every variant")
     p.add_argument("--out", type=Path, default=Path("docs/bench/tp.json"))
@@ -61,15 +63,25 @@ def smallest_split(model_dir: Path) -> int:
     raise ValueError(f"{model_dir}: no rank count above 1 splits this model")
 
 
-def step_ms(engine, batch: int, context: int, steps: int) -> float:
-    """Wall ms per decode step of ``batch`` sequences at position ``context``."""
+def decode_batch(batch: int, context: int, page_size: int):
+    """``batch`` sequences' next token at position ``context``."""
+    from tandem.backends.engine.model_runner import ForwardBatch
+    per_seq = -(-(context + 1) // page_size)
+    return ForwardBatch([[5]] * batch, [context] * batch,
+                        [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)])
+
+
+def prefill_batch(tokens: int, page_size: int):
+    """One prompt of ``tokens`` tokens from position 0 (as the prefill engine runs a chunk)."""
+    from tandem.backends.engine.model_runner import ForwardBatch
+    return ForwardBatch([[5 + i % 100 for i in range(tokens)]], [0], [list(range(-(-tokens // page_size)))])
+
+
+def step_ms(engine, fb, steps: int) -> float:
+    """Wall ms per forward of ``fb`` (and the logits of each sequence's last row)."""
     import torch
 
-    from tandem.backends.engine.model_runner import ForwardBatch
-    runner, ps = engine.runner, engine.config.page_size
-    per_seq = -(-(context + 1) // ps)
-    fb = ForwardBatch([[5]] * batch, [context] * batch,
-                      [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)])
+    runner = engine.runner
 
     def one():
         inputs, hidden = runner.forward(fb)
@@ -94,23 +106,27 @@ def run(args: argparse.Namespace) -> int:
         model_dir = model_path(name)
         tp = args.tp or smallest_split(model_dir)
         for dtype in args.dtypes:
-            pages = max(args.batch_sizes) * -(-(args.context + 1) // 16)
+            pages = max(max(args.batch_sizes) * -(-(args.context + 1) // 16), -(-args.prefill_tokens // 16))
             engines = {}
             try:
                 for size in (1, tp):
                     engines[size] = make_engine(model_dir, dtype, size, THREADS, max(args.batch_sizes), pages)
-                for batch in args.batch_sizes:
+                ps = engines[1].config.page_size
+                steps = [("decode", b, decode_batch(b, args.context, ps), args.steps) for b in args.batch_sizes]
+                if args.prefill_tokens:   # a prefill forward is long: fewer of them
+                    steps.append(("prefill", 1, prefill_batch(args.prefill_tokens, ps), max(1, args.steps // 10)))
+                for kind, batch, fb, n in steps:
                     runs: dict[int, list[float]] = {size: [] for size in engines}
                     for _ in range(args.repeats):
                         for size, engine in engines.items():
                             # one rank computes on 2 threads; a split's leader on its share
                             torch.set_num_threads(engine.tp_group.threads if engine.tp_group else THREADS)
-                            runs[size].append(step_ms(engine, batch, args.context, args.steps))
-                    row = dict(model=name, dtype=dtype, batch=batch, tp=tp,
-                               tp1_ms=spread(runs[1]), tpn_ms=spread(runs[tp]),
+                            runs[size].append(step_ms(engine, fb, n))
+                    row = dict(model=name, dtype=dtype, step=kind, batch=batch, tokens=sum(map(len, fb.token_ids)),
+                               tp=tp, tp1_ms=spread(runs[1]), tpn_ms=spread(runs[tp]),
                                tpn_over_tp1=spread([b / a for a, b in zip(runs[1], runs[tp])]))
                     rows.append(row)
-                    print(f"{row['model']} {dtype} batch {batch}: TP 1 ({THREADS} threads) {fmt(row['tp1_ms'], 2)} ms"
+                    print(f"{row['model']} {dtype} {label(row)}: TP 1 ({THREADS} threads) {fmt(row['tp1_ms'], 2)} ms"
                           f"  TP {tp} (1 thread per rank) {fmt(row['tpn_ms'], 2)} ms  TP{tp}/TP1 "
                           f"{fmt(row['tpn_over_tp1'], 2)}", flush=True)
             finally:
@@ -123,14 +139,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def label(row: dict) -> str:
+    return f"prefill {row['tokens']} tokens" if row.get("step") == "prefill" else f"decode batch {row['batch']}"
+
+
 def markdown(report: dict) -> str:
     cpu = report["cpu"]
     lines = ["# tandem bench tp", "", f"`{report['command']}`", "", f"{report['date']}; {report['machine']}", "",
              f"CPU: {cpu['model']}, flags {', '.join(cpu['flags']) or 'none of note'}; {report['context']} tokens of "
-             f"KV per sequence; wall ms per decode step (forward and the logits of each sequence's last row), eager "
+             f"KV per decoding sequence; wall ms per forward (and the logits of each sequence's last row), eager "
              f"on both sides; medians of {report['repeats']} interleaved repeats (min–max).", "",
-             f"| model | dtype | batch | TP 1, {report['threads_one_rank']} threads (ms/step) | TP N | TP N, 1 thread "
-             "per rank (ms/step) | TP N / TP 1 |", "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {fmt(r['tp1_ms'], 2)} | {r['tp']} | "
+             f"| model | dtype | step | TP 1, {report['threads_one_rank']} threads (ms) | TP N | TP N, 1 thread "
+             "per rank (ms) | TP N / TP 1 |", "|---|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {label(r)} | {fmt(r['tp1_ms'], 2)} | {r['tp']} | "
               f"{fmt(r['tpn_ms'], 2)} | {fmt(r['tpn_over_tp1'], 2)} |" for r in report["rows"]]
     return "\n".join(lines) + "\n"

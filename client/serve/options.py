@@ -162,17 +162,11 @@ class ServeOptions:
         if engine.decode_tensor_parallel_size and self.mode == "prefill":
             raise ServerError("--decode-tp with --mode prefill: a prefill server runs no decode engine; allowed: "
                               "--tp or --prefill-tp")
-        # each role's ranks, under the flag that set them
-        split = [("--prefill-tp" if engine.prefill_tensor_parallel_size else "--tp", engine.prefill_tp),
-                 ("--decode-tp" if engine.decode_tensor_parallel_size else "--tp", engine.decode_tp)]
-        if self.mode == "colocated":
-            split = [("--tp", engine.tensor_parallel_size)]
-        flag, tp = max(split, key=lambda kv: kv[1])
-        if tp > 1 and self.mode != "colocated" and (self._uses("mtp_head") or self._uses("draft_model")):
-            raise ServerError(f"{flag} {tp} with --spec {engine.spec_method} on --mode {self.mode}: the draft "
-                              "model's or MTP head's KV is not split over tensor-parallel ranks yet; allowed: "
-                              "--spec ngram or none, or --mode colocated")
-        if max(tp, engine.tensor_parallel_size) > 1 and engine.max_loras:
+        # each engine's ranks, under the flag that set them
+        flag, tp = max([("--tp", engine.tensor_parallel_size),
+                        ("--prefill-tp", engine.prefill_tensor_parallel_size),
+                        ("--decode-tp", engine.decode_tensor_parallel_size)], key=lambda kv: kv[1])
+        if tp > 1 and engine.max_loras:
             raise ServerError(f"{flag} {tp} with --max-loras {engine.max_loras}: LoRA adapters are not split over "
                               "ranks yet; allowed: one of them")
 

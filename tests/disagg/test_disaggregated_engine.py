@@ -279,13 +279,17 @@ def _speculative(method, demo_checkpoint, random_mtp_head):
     return SpeculativeConfig("mtp", 3, mtp_head=str(random_mtp_head))
 
 
-@pytest.mark.parametrize("method", ["draft_target", "mtp", "ngram"])
+@pytest.mark.parametrize("method,prefill_tp,decode_tp", [
+    ("draft_target", 1, 1), ("mtp", 1, 1), ("ngram", 1, 1),
+    ("draft_target", 2, 2), ("mtp", 2, 2), ("draft_target", 2, 1), ("mtp", 1, 2)])
 def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, random_mtp_head,
                                                    make_decode_pool, rx_peer, prefill_peer,
-                                                   method):
+                                                   method, prefill_tp, decode_tp):
     """The prefill fills the proposer's KV too and it travels in the same reservation:
     the decoder speculates from its first step and its greedy output equals plain
-    decoding (self-speculation accepting every draft shows the draft KV arrived intact)."""
+    decoding (self-speculation accepting every draft shows the draft KV arrived intact).
+    With tensor-parallel ranks on either side the proposer runs on rank 0 alone, so its
+    KV goes whole from prefill's rank 0 to decode's, beside the target's split KV."""
     expected, ref = colocated
     model_dir, spec = str(demo_checkpoint), _speculative(method, demo_checkpoint, random_mtp_head)
     co = LLM(model_dir, page_size=4, speculative=spec)
@@ -293,18 +297,19 @@ def test_disaggregated_speculation_equals_colocated(demo_checkpoint, colocated, 
     co_metrics = co.engine.spec_metrics
     del co
 
-    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, speculative=spec)
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64, speculative=spec, tp=decode_tp)
     assert [m.name for m in pool.spec.models] == ["target"] + ([spec.kv_name] if spec.has_kv else [])
     start = pool.stats()
     rx_peer("rx_start", pool.spec.name)
     prefill_peer("prefill_start", model_dir, page_size=4, max_num_batched_tokens=8,
-                 num_pages=32, speculative=spec)
+                 num_pages=32, speculative=spec, tensor_parallel_size=prefill_tp)
     engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64,
-                           speculative=spec)
+                           speculative=spec, tensor_parallel_size=decode_tp)
     engine.start()
     try:
         ids = [ref.tokenize(p) for p in PROMPTS]
-        tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir)
+        src = shard_scheme(engine.engine.model.config.num_key_value_heads, prefill_tp)
+        tokens, _ = _decode_remote_prefills(engine, pool, ids, rx_peer, prefill_peer, model_dir, src)
         assert tokens == expected
         m = engine.spec_metrics
         # ngram speculates only in steps where every sequence has a match, which depends

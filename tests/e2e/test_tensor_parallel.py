@@ -6,7 +6,7 @@ supervisor restarts the model with a new rank, and the text is right again; stop
 the server leaves no rank behind. Disaggregated, through the ``tandem`` ensemble: prefill
 at 2 ranks feeds decode at 1 (each page rebuilt from the prefill ranks' halves), and both
 at 2 (rank to rank), and the text is the same; a killed prefill rank or decode rank
-restarts its model."""
+restarts its model. (Lossless speculation makes the draft case's text the reference's.)"""
 from __future__ import annotations
 
 import os
@@ -118,16 +118,19 @@ def test_a_killed_rank_restarts_the_model_with_a_new_group(server, reference):
 
 
 SPLITS = {"prefill-2-decode-1": dict(prefill_tensor_parallel_size=2, decode_tensor_parallel_size=1),
-          "tp-2": dict(tensor_parallel_size=2)}
+          "tp-2-draft": dict(tensor_parallel_size=2, spec_method="draft_target")}
 
 
 @pytest.fixture(scope="module", params=list(SPLITS))
-def disaggregated(serve, request):
+def disaggregated(serve, demo_checkpoint, request):
     """Prefill at 2 ranks feeding decode at 1 (each page rebuilt from the two prefill
-    ranks' halves), and both at 2 (``--tp 2``: rank to rank): every prompt through the
-    prefill process (``--disagg-policy remote``)."""
+    ranks' halves), and both at 2 (``--tp 2``: rank to rank) speculating with a draft
+    model (the checkpoint itself: it runs whole on rank 0 of each side, its KV sent whole
+    between them): every prompt through the prefill process (``--disagg-policy remote``)."""
+    split = SPLITS[request.param]
+    draft = dict(draft_model=str(demo_checkpoint)) if split.get("spec_method") == "draft_target" else {}
     with serve(f"serve-tp-{request.param}", 300, mode="disaggregated", torch_threads=2, disagg_policy="remote",
-               **SPLITS[request.param], **SETTINGS) as srv:
+               **split, **draft, **SETTINGS) as srv:
         yield srv, request.param
         ranks = [r for s in srv.stubs() if s.model in ("decode", "prefill") for r in ranks_of(s.pid)]
         srv.stop()
@@ -150,6 +153,8 @@ def test_prefill_and_decode_ranks_serve_the_one_rank_engines_text(disaggregated,
     assert remote_text(disaggregated) == reference
     metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", before + 1,
                    "the prompt was not prefilled by the prefill process", path="remote", reason="policy")
+    if split.get("spec_method") == "draft_target":
+        metric_reaches(disaggregated, "tandem_spec_drafts_total", "decode", 1, "decode never drafted")
 
 
 def test_a_killed_rank_restarts_its_model(disaggregated, reference):
@@ -157,7 +162,7 @@ def test_a_killed_rank_restarts_its_model(disaggregated, reference):
     restarted with a new rank (the prompt meanwhile prefilled in decode: still the right
     text). Both at 2: decode's rank killed, as in the colocated case."""
     disaggregated, split = disaggregated
-    if split == "tp-2":
+    if split == "tp-2-draft":
         return kill_a_rank_and_recover(disaggregated, "decode", "tandem", reference)
     kill_a_rank_and_recover(disaggregated, "prefill", "tandem", reference, fails=False)
     before = metric(disaggregated, "tandem_disagg_requests_total", "kv_transfer", path="remote", reason="policy")

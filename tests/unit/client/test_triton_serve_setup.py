@@ -579,13 +579,7 @@ def test_every_model_config_parses(name):
     (dict(mode="prefill", decode_tensor_parallel_size=2), "--decode-tp with --mode prefill: a prefill server runs "
                                                           "no decode engine"),
     (dict(mode="disaggregated", decode_tensor_parallel_size=-1), "--decode-tp -1; allowed: an integer >= 1"),
-    (dict(mode="disaggregated", prefill_tensor_parallel_size=2, spec_method="draft_target"),
-     "--prefill-tp 2 with --spec draft_target on --mode disaggregated"),
-    (dict(mode="prefill", tensor_parallel_size=2, spec_method="mtp"), "--tp 2 with --spec mtp on --mode prefill"),
-    (dict(mode="disaggregated", tensor_parallel_size=2, spec_method="auto"), "--tp 2 with --spec auto on --mode "
-                                                                              "disaggregated: the "
-                                                         "draft model's or MTP head's KV is not split"),
-    (dict(mode="both", tensor_parallel_size=2, spec_method="mtp"), "--tp 2 with --spec mtp on --mode both"),
+    (dict(mode="disaggregated", prefill_tensor_parallel_size=2, max_loras=2), "--prefill-tp 2 with --max-loras 2"),
     (dict(mode="colocated", tensor_parallel_size=2, max_loras=1), "--tp 2 with --max-loras 1"),
     (dict(mode="colocated", tensor_parallel_size=0), "--tp 0; allowed: an integer >= 1"),
 ])

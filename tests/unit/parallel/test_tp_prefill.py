@@ -5,6 +5,7 @@ rank has written that layer; a dead rank stops the engine by name; the ranks and
 pool files end with it."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -117,3 +118,17 @@ def test_the_ranks_end_with_the_engine(target_dir):
     (proc,) = engine.tp_group.procs
     engine.close()
     assert not proc.is_alive() and tpkv_files() == []
+
+
+def test_a_prefill_that_fails_to_build_leaves_no_rank_and_no_file(target_dir):
+    """The ranks start first (they load while the leader does); when the leader's build
+    fails after them (here: an MTP head made for another model), they are stopped and
+    their pool files removed."""
+    from tandem.backends.speculative import SpeculativeConfig
+    wrong_head = SpeculativeConfig("mtp", 2, mtp_head="checkpoints/demo/mtp")
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ValueError, match="mtp_head"):
+        PrefillEngine.from_config(EngineConfig(str(target_dir), dtype="float32", page_size=4, num_pages=16,
+                                               tensor_parallel_size=2, speculative=wrong_head))
+    assert set(os.listdir("/dev/shm")) == before
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tandem-tp-rank")]
