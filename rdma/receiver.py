@@ -44,7 +44,7 @@ from .descriptor import DestinationDescriptor
 from .errors import PoolExhausted
 from .faults import Faults
 from .plan import ShardScheme, pages_needed
-from .reservations import (CANCELLED, FAILED, FAILURE_CODES, INJECTED, READY, SENDER_ERROR,
+from .reservations import (CANCELLED, FAILED, FAILURE_CODES, INJECTED, PREFILL_FAILED, READY, SENDER_ERROR,
                            TIMEOUT, SlotStatus)
 from .shared_pool import SharedKVPool
 from .transport import Messenger
@@ -454,6 +454,8 @@ class KVReceiver(Messenger):
             if err is not None:
                 raise MalformedMessage(str(err))
             msg = decode_control(bytes(buf))
+            if isinstance(msg, Abort):
+                return self._on_given_up(msg)
             if not isinstance(msg, Open):
                 raise MalformedMessage(f"unexpected {type(msg).__name__}")
             self._on_open(msg)
@@ -490,6 +492,17 @@ class KVReceiver(Messenger):
         self.stats.handshakes += 1
         self._transport.send(ep, encode_control(Ack(msg.nonce)), control_tag(), "control",
                              lambda err: None)
+
+    def _on_given_up(self, msg: Abort) -> None:
+        """A prefill will send this reservation nothing more: fail it now (its other
+        senders are told), so the decoder recomputes or fails the request at once."""
+        r = self._by_slot.get(msg.slot)
+        if r is None or r.gen != msg.generation or not hmac.compare_digest(r.secret, msg.secret):
+            log.info("a give-up for reservation %d/%d dropped: not live here, or the wrong secret",
+                     msg.slot, msg.generation)
+            return
+        log.info("reservation %d/%d: the prefill side gave it up", r.slot, r.gen)
+        self._fail(r, PREFILL_FAILED)
 
     def _on_tick(self, now: float) -> float | None:
         for r in list(self._live.values()):

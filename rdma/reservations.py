@@ -38,7 +38,7 @@ FREE, RESERVED, READY, FAILED = 0, 1, 2, 3
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", READY: "ready", FAILED: "failed"}
 
 # why a reservation failed
-OK, TIMEOUT, SENDER_ERROR, UNCLAIMED, OWNER_DIED, CANCELLED, INJECTED = range(7)
+OK, TIMEOUT, SENDER_ERROR, UNCLAIMED, OWNER_DIED, CANCELLED, INJECTED, PREFILL_FAILED = range(8)
 FAILURE_REASONS = {
     OK: "ok",
     TIMEOUT: "no KV arrived within the transfer timeout (prefill died, stalled or unreachable)",
@@ -47,11 +47,12 @@ FAILURE_REASONS = {
     OWNER_DIED: "the process holding the reservation died",
     CANCELLED: "the reservation was cancelled",
     INJECTED: "a fault was injected (TANDEM_FAULTS)",
+    PREFILL_FAILED: "the prefill side gave the request up (its prefill failed or was aborted)",
 }
 # short names, for metric labels and logs
 FAILURE_CODES = {OK: "ok", TIMEOUT: "timeout", SENDER_ERROR: "sender_error",
                  UNCLAIMED: "unclaimed", OWNER_DIED: "owner_died", CANCELLED: "cancelled",
-                 INJECTED: "injected"}
+                 INJECTED: "injected", PREFILL_FAILED: "prefill_failed"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from .descriptor import DestinationDescriptor
 from .errors import PeerUnreachable, TransferCancelled, TransferError, TransferTimeout
 from .faults import Faults
 from .plan import ModelSpec, ShardScheme
-from .reservations import FAILURE_REASONS
+from .reservations import FAILURE_REASONS, PREFILL_FAILED
 from .transfer import Transfer
 from .transport import Messenger
 from .wire import (KIND_CONTROL, MAX_CONTROL_BYTES, Abort, Ack, MalformedMessage, Nack, Open,
@@ -212,6 +212,12 @@ class KVSender(Messenger):
             raise ValueError(f"{len(src_pages)} source pages for {len(desc.page_ids)} "
                              "destination pages")
         t = Transfer(desc, src_pages, self.rank, models, on_done)
+        if t.total == 0:
+            # this rank holds only heads another replica set sends, and no context: it has
+            # nothing to open (an Open could come after the reservation is complete, and
+            # be refused as not live)
+            self._transport.submit(lambda: self._finish(t))
+            return t
         if self._faults is not None:
             t.drop_after = self._faults.drop_after(t.total)
         self._transport.submit(lambda: self._start(t))
@@ -246,6 +252,13 @@ class KVSender(Messenger):
         reservation fails by its lease."""
         self._transport.submit(lambda: self._fail(t, TransferCancelled(why)))
 
+    def give_up(self, desc: DestinationDescriptor) -> None:
+        """Tell ``desc``'s receiver that this prefill will send it nothing more (the
+        prefill failed or was aborted): the reservation fails now, not at its lease, and
+        the decoder recomputes or fails the request at once. Any thread; best effort (a
+        receiver that cannot be reached fails the reservation by its lease)."""
+        self._transport.submit(lambda: self._give_up(desc))
+
     def _layers_advanced(self, step: ForwardStep) -> None:
         """``step``'s layer counter advanced (called by :meth:`ForwardStep.layer_done`)."""
         self._transport.submit(lambda: self._on_layers(step))
@@ -279,6 +292,17 @@ class KVSender(Messenger):
         except Exception as e:  # noqa: BLE001 - UCX cannot reach the address
             self._peer_failed(peer, PeerUnreachable(
                 f"cannot reach the decode worker: {type(e).__name__}: {e}"))
+
+    def _give_up(self, desc: DestinationDescriptor) -> None:
+        addr = desc.worker_address
+        peer = self._peers.get(addr)
+        try:
+            ep = peer.ep if peer is not None and peer.ep is not None else self._transport.endpoint(addr)
+            self._transport.send(ep, encode_control(Abort(desc.slot, desc.generation, desc.secret, PREFILL_FAILED)),
+                                 control_tag(), addr, lambda err: None)
+        except Exception as e:  # noqa: BLE001 - the receiver is unreachable: its lease ends it
+            log.info("giving up reservation %d/%d: the decode worker is unreachable (%s)", desc.slot,
+                     desc.generation, e)
 
     def _receiver_lost(self, address: bytes) -> None:
         peer = self._peers.get(address)

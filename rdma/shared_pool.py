@@ -43,8 +43,8 @@ from .pool_layout import (H_CANCELLED, H_DIRTY, H_FAILED, H_RECLAIMED, SHM_DIR, 
 from .pool_owners import Owners
 from .pool_pages import SharedPages
 from .reservations import (CANCELLED, FAILED, FAILURE_CODES, FAILURE_REASONS, FREE, INJECTED, OK,
-                           OWNER_DIED, READY, RESERVED, SENDER_ERROR, STATE_NAMES, TIMEOUT,
-                           UNCLAIMED, Reservations, SlotStatus)
+                           OWNER_DIED, PREFILL_FAILED, READY, RESERVED, SENDER_ERROR, STATE_NAMES,
+                           TIMEOUT, UNCLAIMED, Reservations, SlotStatus)
 from .wire import SECRET_BYTES
 
 log = logging.getLogger(__name__)
@@ -541,6 +541,6 @@ __all__ = [
     "SharedKVPool", "SharedPageAllocator", "PoolSpec", "PoolStats", "SlotStatus",
     "PoolError", "PoolExhausted", "ReservationGone", "SHM_DIR",
     "FREE", "RESERVED", "READY", "FAILED", "STATE_NAMES",
-    "OK", "TIMEOUT", "SENDER_ERROR", "UNCLAIMED", "OWNER_DIED", "CANCELLED", "INJECTED",
+    "OK", "TIMEOUT", "SENDER_ERROR", "UNCLAIMED", "OWNER_DIED", "CANCELLED", "INJECTED", "PREFILL_FAILED",
     "FAILURE_REASONS", "FAILURE_CODES",
 ]

@@ -177,9 +177,10 @@ class Nack:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """Receiver -> sender: stop feeding this reservation (cancelled, timed out, failed).
-    It carries the secret, so only the receiver (or a holder of the descriptor) can
-    stop a transfer."""
+    """Receiver -> sender: stop feeding this reservation (cancelled, timed out, failed);
+    or sender -> receiver: this prefill gives the reservation up (its prefill failed or
+    was aborted), so it fails now rather than at its lease. It carries the secret, so
+    only the receiver or a holder of the descriptor can end a transfer."""
     slot: int
     generation: int
     secret: bytes

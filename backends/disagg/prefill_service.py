@@ -288,6 +288,7 @@ class PrefillService(PrefillHooks):
             self.engine.add(rid, prompt_ids[:-1], last_token=prompt_ids[-1],
                             cache_salt=cache_salt, lora=lora)
         except ValueError as e:
+            self.sender.give_up(desc)   # the decoder need not wait for its lease
             return _call(on_done, str(e))
         self._jobs[rid] = (desc, on_done)
 
@@ -334,14 +335,16 @@ class PrefillService(PrefillHooks):
 
     def _abort(self, rid: str, message: str) -> None:
         # The transfer (if begun) can no longer complete: it is stopped, and the
-        # decoder's reservation times out. Sends already in flight may read pages freed
-        # here, but only into a reservation that will never be READY.
+        # receiver told, so the decoder recomputes (or fails) the request now. Sends
+        # already in flight may read pages freed here, but only into a reservation that
+        # will never be READY.
         ts = self._transfers.pop(rid, None)
         if ts is not None:
             self._cancel(ts, f"the prefill ended ({message})")
         job = self._jobs.pop(rid, None)
         self.engine.abort(rid)
         if job is not None:
+            self.sender.give_up(job[0])
             _call(job[1], message)
 
 

@@ -22,7 +22,7 @@ import torch
 from ..kv_cache import KVPagePool
 from ..models import LlamaForCausalLM, load_model
 from ..parallel.group import FAILED, READY, RankFailed, RankGroup, RankSpec, connect
-from ..parallel.rank_pools import RankPoolFiles
+from .rank_pools import RankPoolFiles
 from ..parallel.sharding import rank_config, shard_model_
 from .config import EngineConfig
 from .kv_pool import check_pool_fits, kv_page_pool

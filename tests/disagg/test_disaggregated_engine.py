@@ -270,6 +270,43 @@ def test_failed_transfer_ends_or_recomputes_the_request_and_frees_everything(dem
     assert pool.stats().free == start.free and pool.stats().slots_active == 0
 
 
+def test_a_prefill_that_fails_gives_the_reservation_up_and_decode_recomputes(demo_checkpoint, colocated,
+                                                                             make_decode_pool, rx_peer,
+                                                                             prefill_peer):
+    """The prefill cannot take a job (a prompt larger than its pool): it gives the
+    reservation up, so the decoder learns at once (reason ``prefill_failed``, not the
+    lease's ``timeout``: the lease here outlasts the test) and recomputes the request;
+    the greedy text is the colocated engine's and nothing leaks."""
+    expected, ref = colocated
+    model_dir = str(demo_checkpoint)
+    pool = make_decode_pool(model_dir, page_size=4, num_pages=64)
+    start = pool.stats()
+    rx_peer("rx_start", pool.spec.name, timeout_s=600.0)
+    prefill_peer("prefill_start", model_dir, page_size=4, num_pages=4)    # 16 tokens at most
+    engine = decode_engine(pool, model_dir, dtype="float32", max_num_batched_tokens=64)
+    engine.start()
+    try:
+        ids = ref.tokenize(PROMPTS[4])
+        assert len(ids) > 17
+        desc = rx_peer("rx_reserve", len(ids) - 1, context_nbytes=(context_nbytes(model_dir, "float32"),))
+        d = DestinationDescriptor.from_bytes(desc)
+        tokens, done = [], threading.Event()
+
+        def on_output(out):
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                done.set()
+        engine.submit_prefilled(ids, GREEDY, SharedPoolTicket(pool, d.slot, d.generation), on_output)
+        [error] = prefill_peer("prefill_run", [(desc, ids)])
+        assert "KV pages" in error
+        assert done.wait(300)
+        assert tokens == expected[4]
+        assert engine.transfer_failures == {"prefill_failed": 1} and engine.transfer_recomputes == 1
+    finally:
+        engine.shutdown()
+    assert pool.stats().free == start.free and pool.stats().slots_active == 0
+
+
 def _speculative(method, demo_checkpoint, random_mtp_head):
     from tandem.backends.speculative import SpeculativeConfig
     if method == "draft_target":   # self-speculation: any wrong draft KV shows as rejections

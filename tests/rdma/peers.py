@@ -184,6 +184,10 @@ def rx_wait(slot: int, gen: int, wait_s: float = 30.0) -> tuple:
     return st.state, st.completed, st.expected, st.error
 
 
+def rx_cancel(slot: int, gen: int) -> None:
+    _state["rx"].cancel(slot, gen)
+
+
 def rx_trace(slot: int, gen: int) -> dict:
     t = _state["rx"].trace(slot, gen)
     return {"reserved_at": t.reserved_at, "layer_done_at": dict(t.layer_done_at),
@@ -212,6 +216,12 @@ def tx_start(models, num_pages: int, rank: int, scheme=(1, 1), seed: int = 0,
     _state["tx"] = KVSender(pools, rank, scheme, SenderConfig(**config))
     _state["freed"] = []
     return _state["tx"].address
+
+
+def tx_give_up(desc: bytes) -> None:
+    """The sender tells the descriptor's receiver it will send nothing (its prefill failed)."""
+    from tandem.rdma import DestinationDescriptor
+    _state["tx"].give_up(DestinationDescriptor.from_bytes(desc))
 
 
 def tx_run(jobs, chunk_tokens: int = 1 << 30, layer_delay_s: float = 0.0,

@@ -1,8 +1,8 @@
 """Malformed UCX messages against a live receiver (kv_transfer's, in its own process):
 500 generated messages on the control tag and on data tags — random bytes, truncated and
 bit-flipped control messages, unknown kinds, wrong protocol versions, lying length
-fields, messages a receiver never expects (Ack, Nack, Abort), Opens naming reservations
-that do not exist or with a wrong secret, oversized ones, data under random and real
+fields, messages a receiver never expects (Ack, Nack), Opens and give-ups (Abort) naming
+reservations that do not exist or with a wrong secret, oversized ones, data under random and real
 keys — while a reservation waits for its KV. Nothing crashes: the receiver answers, its
 counters account for what it dropped or refused, the waiting reservation is untouched
 and then filled exactly by a real sender, and every page and slot comes back."""
@@ -37,7 +37,7 @@ def hostile_messages(rng: random.Random, victim: DestinationDescriptor, reply: b
 
     valid = [encode_control(Open(rng.getrandbits(64), reply, victim.slot, victim.generation, rng.randbytes(16))),
              encode_control(Ack(7)), encode_control(Nack(7, 1, "no")),
-             encode_control(Abort(victim.slot, victim.generation, victim.secret, 1))]
+             encode_control(Abort(victim.slot, victim.generation, rng.randbytes(16), 7))]   # a forged give-up
     makers = [
         lambda: rand_bytes(),                                                      # noise
         lambda: (m := rng.choice(valid))[:rng.randrange(len(m))],                  # truncated

@@ -61,3 +61,29 @@ def test_sharded_transfer_rebuilds_every_decode_rank(case, layout, make_pool, rx
     assert (pool.context(d.slot) == 1).all()
     pool.free(pool.claim(d.slot, d.generation))
     assert pool.stats().free == 32
+
+
+def test_a_rank_with_nothing_to_send_opens_nothing(make_pool, rx, tx0, tx1):
+    """Replicated KV (each prefill rank holds every head) into one decode rank: one
+    replica set sends, here rank 0's (KV and context). Rank 1 has nothing to send, so
+    its transfer ends at once without an Open, which could otherwise reach the receiver
+    after the reservation was complete and be refused, failing the request."""
+    from tandem.rdma.plan import assign_replica_sets
+    src, dst = ShardScheme(2, 2), ShardScheme(1)
+    seed = next(s for s in range(64) if assign_replica_sets(src, dst, s) == [0])
+    spec = ModelSpec("target", 2, 8, 8, 4, "bfloat16", "HND")
+    pool = make_pool([spec], num_pages=32, scheme=dst, context_bytes=16)
+    rx("rx_start", pool.spec.name)
+    for rank, tx in enumerate((tx0, tx1)):
+        tx("tx_start", [spec], SRC_PAGES, rank=rank, scheme=(2, 2))
+    handshakes = rx("rx_stats")["handshakes"]
+    d = DestinationDescriptor.from_bytes(rx("rx_reserve", 18, src=(2, 2), context_nbytes=(16,), seed=seed))
+    for tx in (tx0, tx1):
+        tx.send("tx_run", [(d.to_bytes(), [20, 3, 4, 5, 11])], chunk_tokens=8)
+    sender, idle = (tx.result()[0] for tx in (tx0, tx1))
+    assert sender["error"] is None and idle["error"] is None
+    assert (idle["total"], idle["sent"]) == (0, 0) and sender["sent"] == sender["total"] > 0
+    state, completed, expected, _ = rx("rx_wait", d.slot, d.generation)
+    assert state == READY and completed == expected
+    assert rx("rx_stats")["handshakes"] - handshakes == 1, "the idle rank opened the transfer"
+    pool.free(pool.claim(d.slot, d.generation))

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tandem.rdma import DestinationDescriptor, ModelSpec
-from tandem.rdma.shared_pool import CANCELLED, FAILED, INJECTED, READY, RESERVED, SENDER_ERROR, TIMEOUT
+from tandem.rdma.shared_pool import (CANCELLED, FAILED, INJECTED, PREFILL_FAILED, READY, RESERVED, SENDER_ERROR,
+                                     TIMEOUT)
 
 from .peers import data_tag, expected_dst_page, full_kv, payload, wait_for
 
@@ -179,6 +180,27 @@ def test_injected_transfer_faults_fail_where_asked(point, lands, make_pool, rx, 
     assert pool.poll(d.slot, d.generation).reason == "a fault was injected (TANDEM_FAULTS)"
     if lands == "none":     # later, small eager sends may all have completed already
         assert res["error"] is not None and "TransferCancelled" in res["error"]
+    assert settle(pool, start) == start
+
+
+def test_a_prefill_that_gives_up_fails_the_reservation_at_once(make_pool, rx, tx0):
+    """Its prefill failed: the sender says so (proving the secret), and the reservation
+    fails as given up, not at its lease (which would say timeout); a give-up without the
+    secret changes nothing."""
+    pool = make_pool([SPEC], num_pages=32, fail_grace_s=30.0)
+    start = counters(pool)
+    rx("rx_start", pool.spec.name, timeout_s=60.0)
+    tx0("tx_start", [SPEC], SRC_PAGES, rank=0)
+    d, other = reserve(rx), reserve(rx)
+    forged = dataclasses.replace(other, secret=secrets.token_bytes(len(other.secret)))
+    tx0("tx_give_up", forged.to_bytes())
+    tx0("tx_give_up", d.to_bytes())
+    state, completed, expected, error = rx("rx_wait", d.slot, d.generation)
+    assert state == FAILED and error == PREFILL_FAILED and completed == 0
+    assert pool.poll(d.slot, d.generation).reason == "the prefill side gave the request up (its prefill failed or " \
+                                                     "was aborted)"
+    assert pool.poll(other.slot, other.generation).state == RESERVED
+    rx("rx_cancel", other.slot, other.generation)
     assert settle(pool, start) == start
 
 

@@ -16,16 +16,15 @@ a mapping does, and a crash leaves no file behind.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 from dataclasses import dataclass
 
 import torch
 
-from tandem.rdma.pool_layout import map_file
-
 from ..kv_cache import KVPagePool
-from .group import SHM_DIR
+from ..parallel.group import SHM_DIR
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +65,13 @@ class RankPoolFiles:
     def map(self, rank: int, create: bool = False) -> KVPagePool:
         if not 1 <= rank < self.tp:
             raise ValueError(f"rank {rank}: the shared pools are those of ranks 1..{self.tp - 1}")
-        fd, mapping = map_file(self.path(rank), self.nbytes, create)
-        os.close(fd)   # the mapping keeps the memory
+        fd = os.open(self.path(rank), os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:   # tmpfs pages allocated now, not at the first write of a step
+                os.posix_fallocate(fd, 0, self.nbytes)
+            mapping = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)   # the mapping keeps the memory
         return KVPagePool(self.num_layers, self.num_pages, self.num_kv_heads, self.page_size, self.head_dim,
                           getattr(torch, self.dtype), self.kv_layout,
                           buffer=torch.frombuffer(mapping, dtype=torch.uint8))
