@@ -109,10 +109,11 @@ def snapshot(dest: Path, rev: str = "HEAD") -> Path:
 
 def tandem_command(model: Path, port: int, dtype: str, method: str, k: int, mode: str, run_dir: Path
                    ) -> list[str]:
-    from tandem.client.serve.triton_server import free_port
+    from tandem.client.serve.triton_server import free_ports
+    http, grpc, metrics = free_ports(3, taken=(port,))
     cmd = [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(model), "--dtype", dtype, "--mode", mode,
-           "--openai-port", str(port), "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-           "--metrics-port", str(free_port()), "--run-dir", str(run_dir), "--log-file", str(run_dir / "triton.log"),
+           "--openai-port", str(port), "--http-port", str(http), "--grpc-port", str(grpc),
+           "--metrics-port", str(metrics), "--run-dir", str(run_dir), "--log-file", str(run_dir / "triton.log"),
            "--ready-timeout", str(READY_TIMEOUT_S)]
     return cmd + (["--spec", method, "--k", str(k)] if method != "none" else [])
 

@@ -74,6 +74,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1", taken=()) -> list[int]:
+    """``n`` distinct free ports, none in ``taken`` (the kernel may hand out a port it
+    just freed again, so ``free_port`` twice can give one port twice)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(host)
+        if port not in ports and port not in taken:
+            ports.append(port)
+    return ports
+
+
 def metric_sum(metrics_url: str, series: re.Pattern) -> float | None:
     """The sum of the values ``series`` (a multi-line pattern whose group 1 is the value)
     matches on the metrics endpoint; None when the metrics cannot be read."""
@@ -217,13 +228,8 @@ class TritonServer:
         self._launch_args = (layout, backend_dir, repo)
         pick = [name for name in ("http_port", "grpc_port", "metrics_port") if not getattr(self, name)]
         for attempt in range(3):
-            taken = {getattr(self, n) for n in ("http_port", "grpc_port", "metrics_port")} - {0, None}
-            for name in pick:
-                # the kernel may hand out a port it just freed again: three distinct ones
-                port = free_port(self.host)
-                while port in taken:
-                    port = free_port(self.host)
-                taken.add(port)
+            taken = {getattr(self, n) for n in ("http_port", "grpc_port", "metrics_port") if n not in pick} - {0, None}
+            for name, port in zip(pick, free_ports(len(pick), self.host, taken)):
                 setattr(self, name, port)
             self._launch()
             try:

@@ -23,7 +23,7 @@ import pytest
 
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
 from tandem.client.serve.process_group import kill_group, live_processes
-from tandem.client.serve.triton_server import free_port, remove_orphan_segments, stub_processes
+from tandem.client.serve.triton_server import free_ports, remove_orphan_segments, stub_processes
 
 from .triton_calls import http_get
 
@@ -63,7 +63,7 @@ def children(pid: int) -> list[int]:
 def server(deep_checkpoint, tmp_path):
     """``tandem serve`` (disaggregated) configured by TANDEM_* variables; killed with
     everything it started if the test leaves it running."""
-    ports = {name: free_port() for name in ("http", "grpc", "metrics")}
+    ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
     env = {**os.environ, "TANDEM_MODEL": str(deep_checkpoint), "TANDEM_HOST": "127.0.0.1",
            "TANDEM_HTTP_PORT": str(ports["http"]), "TANDEM_GRPC_PORT": str(ports["grpc"]),
            "TANDEM_METRICS_PORT": str(ports["metrics"]), "TANDEM_OPENAI_PORT": "0", "TANDEM_THREADS": "1", "TANDEM_DTYPE": "float32", "TANDEM_ENFORCE_EAGER": "1",

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from tandem.backends.models.model_path import PACKAGED
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_ports
 
 from .test_multi_host import _get, _post as _post_text
 from .triton_calls import eventually, metric_in
@@ -253,7 +253,7 @@ def container(cpu_image, podman, reference):
     """The image as `docker run` runs it, its ports published on free host ports; started
     after the reference is made (two cores)."""
     name = f"tandem-image-test-{os.getpid()}"
-    ports = {p: free_port() for p in (8000, 9000)}
+    ports = dict(zip((8000, 9000), free_ports(2)))
     started = time.monotonic()
     _run(["podman", "run", "-d", "--name", name, "--shm-size", "2g", "-e", f"TANDEM_DTYPE={DTYPE}",
           "-e", "TANDEM_MODEL=demo",   # the reference's model (the image's default: test_image_holds_...)
@@ -364,12 +364,15 @@ def stack(cpu_image, podman, reference, tmp_path_factory):
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     compose.pop("x-tandem")
     published: dict[str, dict[int, int]] = {}
+    inside = {name: [int(p.split(":")[-1]) for p in svc.pop("ports", [])]
+              for name, svc in compose["services"].items()}
+    hosts = iter(free_ports(sum(map(len, inside.values()))))   # distinct across services too
     for svc_name, svc in compose["services"].items():
         svc.pop("build")
         svc["image"] = cpu_image
         svc["environment"].update(TANDEM_DISAGG_POLICY="remote", TANDEM_THREADS="1", TANDEM_DTYPE=DTYPE,
                                   TANDEM_MODEL="demo")
-        ports = {int(p.split(":")[-1]): free_port() for p in svc.pop("ports", [])}
+        ports = {c: next(hosts) for c in inside[svc_name]}
         if ports:
             svc["ports"] = [f"127.0.0.1:{h}:{c}" for c, h in ports.items()]
         published[svc_name] = ports

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from tandem.client.generate import GenerateError, stream_generate
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_ports
 
 from .servers import serve_command
 from .triton_calls import post, post_json
@@ -37,7 +37,7 @@ def adapters(demo_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(demo_checkpoint, adapters, tmp_path_factory):
     run = tmp_path_factory.mktemp("serve-lora")
-    http, grpc, metrics, api = (free_port() for _ in range(4))
+    http, grpc, metrics, api = free_ports(4)
     with serve_command(
             "--model", str(demo_checkpoint), "--mode", "both", "--threads", "1", "--dtype", "float32",
             "--enforce-eager", "--spec", "auto", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['a']}",

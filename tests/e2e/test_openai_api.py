@@ -18,7 +18,7 @@ import pytest
 
 from tandem.client.generate import stream_generate
 from tandem.client.openai.chat_template import PLAIN
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_port, free_ports
 
 from .servers import serve_command
 from .triton_calls import busy_pages, metric, metric_reaches, pages_back, post_json, settled
@@ -41,7 +41,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, demo_checkpoint):
     run = tmp_path_factory.mktemp("serve-openai")
-    http, grpc, metrics, api = (free_port() for _ in range(4))
+    http, grpc, metrics, api = free_ports(4)
     with serve_command(
             "--model", str(demo_checkpoint), "--threads", "1", "--dtype", "float32", "--enforce-eager",
             "--max-num-seqs", "8", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

@@ -13,7 +13,7 @@ from typing import Literal
 
 import pytest
 
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_ports
 
 from .servers import serve_command
 
@@ -39,7 +39,7 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 +
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     run = tmp_path_factory.mktemp("serve-tools")
-    http, grpc, metrics, api = (free_port() for _ in range(4))
+    http, grpc, metrics, api = free_ports(4)
     with serve_command(
             "--model", str(DEMO), "--threads", "1", "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

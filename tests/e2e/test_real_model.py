@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem.backends.models.model_path import packaged_model
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_ports
 
 from .servers import serve_command
 
@@ -56,7 +56,7 @@ def hf_answers(gguf_file):
 @pytest.fixture(scope="module")
 def api(gguf_file, tmp_path_factory):
     run = tmp_path_factory.mktemp("real-model")
-    http, grpc, metrics, port = (free_port() for _ in range(4))
+    http, grpc, metrics, port = free_ports(4)
     with serve_command(
             "--model", MODEL, "--spec", "auto", "--threads", "1", "--dtype", "float32", "--enforce-eager",
             "--max-num-seqs", "4", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",

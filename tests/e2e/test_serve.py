@@ -23,7 +23,7 @@ from tandem.backends.triton.generate_request import INPUT_NAMES
 from tandem.backends.triton.response_arrays import ENGINE_OUTPUT_NAMES, OUTPUT_NAMES
 from tandem.client.generate import GenerateError, build_inputs, parse_response, stream_generate
 from tandem.client.serve.options import MODES
-from tandem.client.serve.triton_server import free_port, stub_processes
+from tandem.client.serve.triton_server import free_ports, stub_processes
 
 from .triton_calls import http_post, metric, metric_reaches, sse_events
 
@@ -256,7 +256,7 @@ def test_cli_generate_prints_json_lines(server):
 
 
 def test_cli_serve_shuts_down_on_sigint(demo_checkpoint, tmp_path):
-    ports = [str(free_port()) for _ in range(4)]
+    ports = [str(port) for port in free_ports(4)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(demo_checkpoint), "--mode", "colocated", "--dtype", "float32", "--enforce-eager",
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--threads", "1",

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.client.serve.triton_server import free_port
+from tandem.client.serve.triton_server import free_ports
 
 from ..guided_outputs import REGEX, valid
 from .servers import serve_command
@@ -40,7 +40,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     run = tmp_path_factory.mktemp("serve-guided")
-    http, grpc, metrics, api = (free_port() for _ in range(4))
+    http, grpc, metrics, api = free_ports(4)
     with serve_command(
             "--model", str(DEMO / "target"),
             "--spec", "draft_target", "--draft-model", str(DEMO / "draft"), "--mode", "both",

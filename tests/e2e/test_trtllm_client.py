@@ -34,7 +34,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from tandem.client.serve.triton_server import free_port, stub_processes
+from tandem.client.serve.triton_server import free_ports, stub_processes
 
 from .servers import serve_command
 
@@ -154,7 +154,7 @@ def run_inference(url: str, inputs: dict[str, np.ndarray], model: str = MODEL) -
 def server(tmp_path_factory, demo_checkpoint):
     """`tandem serve --ensemble-name ensemble`, as a user starts it; ``(grpc_url, banner, run dir)``."""
     run_dir = tmp_path_factory.mktemp("trtllm")
-    http, grpc, metrics = (str(free_port()) for _ in range(3))
+    http, grpc, metrics = map(str, free_ports(3))
     with serve_command(
             "--ensemble-name", MODEL, "--model",
             str(demo_checkpoint), "--dtype", "float32", "--enforce-eager", "--threads", "1", "--max-num-seqs",
