@@ -44,8 +44,11 @@ def test_batched_deltas_match_rows_one_by_one(layout, fan_in, fan_out, scaled):
     idx = torch.tensor(slots)
     s = scales if scaled else None
     want = lora_delta_reference(x, A, B, idx, s)
-    torch.testing.assert_close(lora_delta_gathered(x, A, B, idx, s), want)
-    torch.testing.assert_close(lora_delta_segmented(x, A, B, lora_segments(slots), s), want)
+    # fp32 sums in another order (BLAS picks its blocking by shape and threads): ~1e-5 off at
+    # values ~3, where a wrong slot or scale is off by O(1)
+    tol = dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lora_delta_gathered(x, A, B, idx, s), want, **tol)
+    torch.testing.assert_close(lora_delta_segmented(x, A, B, lora_segments(slots), s), want, **tol)
     # rows of slot 0 and of the empty slot get nothing
     for i, slot in enumerate(slots):
         if slot in (0, 5):
