@@ -100,10 +100,6 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.tp_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}, tp_timeout_s="
                              f"{self.tp_timeout_s}; allowed: an integer >= 1 and seconds > 0")
-        if self.tensor_parallel_size > 1 and self.max_loras:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with max_loras="
-                             f"{self.max_loras}: LoRA adapters are not split over ranks yet; allowed: "
-                             "one of them")
         if self.tensor_parallel_size > 1 and self.device != "cpu":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on {self.device}: ranks "
                              "run on the CPU (gloo) so far; allowed: device cpu, or 1 rank")

@@ -12,7 +12,6 @@ from typing import Callable
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..lora import LoRAPool, LoRARequest
-from ..lora.pool import lora_dtype
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
 from ..speculative.adaptive import SpecController
@@ -23,6 +22,7 @@ from .input_processor import InputProcessor
 from .isolation import isolate
 from .kv_pool import check_pool_fits, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
+from .tensor_parallel import rank_lora_pool
 from .outputs import OutputProcessor, RequestOutput, sequence_logprobs
 from .params import SamplingParams
 from .prefix_caching import CachedPageChanged, PrefixCaching
@@ -75,15 +75,13 @@ class LLMEngine:
         k = self.num_speculative_tokens = spec.num_speculative_tokens if spec.enabled else 0
         # adapters apply to the target only: a proposer drafts from the base, the target
         # verifies with the request's adapter, so speculation stays lossless
-        self.lora_pool = LoRAPool(cfg, config.max_loras, config.max_lora_rank, config.device,
-                                  lora_dtype(config.device, dtype)) \
-            if config.max_loras else None
+        self.lora_pool = rank_lora_pool(config, self.model, config.tensor_parallel_size, 0)
         # the target's runner first: it packs the target's lm_head, which an MTP head shares
         if self.tp_group is None:
             self.runner = ModelRunner(self.model, self.pool, self.lora_pool)
         else:
             from .tensor_parallel import TensorParallelRunner
-            self.runner = TensorParallelRunner(self.model, self.pool, self.tp_group)
+            self.runner = TensorParallelRunner(self.model, self.pool, self.tp_group, self.lora_pool)
             self.tp_group.wait_ready()
         # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
         proposer = build_proposer(spec, config, self.model, self.pool.num_pages, proposer_kv_pool,

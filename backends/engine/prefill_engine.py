@@ -45,7 +45,6 @@ import torch
 from ..kv_cache import KVAllocator, KVPagePool, pages_needed
 from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..lora import LoRAPool, LoRARequest
-from ..lora.pool import lora_dtype
 from ..models import load_model
 from .config import EngineConfig
 from .isolation import describe, isolate
@@ -53,7 +52,7 @@ from .kv_pool import kv_page_pool, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
 from .prefix_caching import PrefixCacheStats, PrefixCaching, request_salt
 from .proposers import ProposerPrefill, load_proposer_model
-from .tensor_parallel import TensorParallelRanks, start_shared_ranks
+from .tensor_parallel import TensorParallelRanks, rank_lora_pool, start_shared_ranks
 
 log = logging.getLogger(__name__)
 LayerCallback = Callable[[int], None]
@@ -123,7 +122,7 @@ class PrefillEngine:
             self.runner = ModelRunner(model, pool, lora_pool)
         else:
             from .tensor_parallel import TensorParallelRunner
-            self.runner = TensorParallelRunner(model, pool, self.tp_group)
+            self.runner = TensorParallelRunner(model, pool, self.tp_group, lora_pool)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.hooks = hooks or PrefillHooks()
         self.waiting: deque[PrefillRequest] = deque()
@@ -149,8 +148,7 @@ class PrefillEngine:
             cached_pools = [pool] + ([proposer[1].pool] if proposer is not None else [])
             prefix = (PrefixCaching.for_config(config, allocator, cached_pools)
                       if isinstance(allocator, CachingKVAllocator) else None)
-            lora_pool = LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
-                                 lora_dtype(config.device, dtype)) if config.max_loras else None
+            lora_pool = rank_lora_pool(config, model, config.tensor_parallel_size, 0)
             if ranks is not None:
                 ranks.ready()
         except BaseException:

@@ -8,11 +8,13 @@ when the leader has passed a layer's all-reduce, every rank has written that lay
 (where a KV messenger counts layers, it counts on the leader, after those all-reduces:
 :class:`LayerDoneAfterAllReduce`). The leader alone computes logits,
 samples, and runs a draft model or MTP head (whole, on its hidden states, which the
-all-reduces make complete).
+all-reduces make complete). LoRA adapters are cut as their projections are; the leader's
+pool takes the slots and each step tells the ranks what the slots it uses hold.
 """
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable
@@ -20,10 +22,12 @@ from typing import Callable
 import torch
 
 from ..kv_cache import KVPagePool
+from ..lora import LoRAPool
+from ..lora.pool import SlotContents, lora_dtype
 from ..models import LlamaForCausalLM, load_model
 from ..parallel.group import FAILED, READY, RankFailed, RankGroup, RankSpec, connect
 from .rank_pools import RankPoolFiles
-from ..parallel.sharding import rank_config, shard_model_
+from ..parallel.sharding import projection_slices, rank_config, shard_model_
 from .config import EngineConfig
 from .kv_pool import check_pool_fits, kv_page_pool
 from .model_runner import ForwardBatch, ModelRunner
@@ -40,6 +44,25 @@ class RankWork:
     config: EngineConfig
     num_pages: int
     rank_pool: Callable[[int], KVPagePool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankStep:
+    """One step for the ranks: the batch, and the adapters its slots hold that the ranks
+    do not yet (each as the leader read it, whole: a rank cuts its share), pickled into
+    bytes (a tensor sent bare would go as a shared-memory handle, for the pipe's owner to
+    keep alive)."""
+    batch: ForwardBatch
+    loads: dict[int, tuple[SlotContents, bytes]]
+
+
+def rank_lora_pool(config: EngineConfig, model: LlamaForCausalLM, tp: int, rank: int) -> LoRAPool | None:
+    """Rank ``rank``'s share of the adapter slots (None: LoRA is off)."""
+    if not config.max_loras:
+        return None
+    return LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
+                    lora_dtype(config.device, model.embed_tokens.weight.dtype),
+                    projection_slices(model.config, tp, rank) if tp > 1 else None)
 
 
 def start_ranks(config: EngineConfig, num_pages: int,
@@ -119,18 +142,21 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         else:
             pool = work.rank_pool(spec.rank)
             check_pool_fits(c, pool, model.rank_config, dtype)
-        runner = ModelRunner(model, pool)
+        lora_pool = rank_lora_pool(c, model, spec.tp, spec.rank)
+        runner = ModelRunner(model, pool, lora_pool)
     except Exception as err:   # reported to the leader, which fails its start with it
         conn.send((FAILED, f"{type(err).__name__}: {err}"))
         return
     conn.send((READY, None))
     while True:
         try:
-            batch = conn.recv()
+            step: RankStep = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            runner.forward(batch)
+            for slot, (contents, adapter) in step.loads.items():
+                lora_pool.mirror(slot, contents, pickle.loads(adapter))
+            runner.forward(step.batch)
         except Exception as err:
             log.error("tensor-parallel rank %d: a step failed (%s); the group is broken", spec.rank, err)
             raise SystemExit(1)
@@ -139,16 +165,18 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 class TensorParallelRunner(ModelRunner):
     """The leader's :class:`ModelRunner`: each forward is sent to the other ranks first."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPagePool, group: RankGroup):
-        super().__init__(model, pool)
+    def __init__(self, model: LlamaForCausalLM, pool: KVPagePool, group: RankGroup,
+                 lora_pool: LoRAPool | None = None):
+        super().__init__(model, pool, lora_pool)
         self.group = group
+        self.ranks_hold: dict[int, SlotContents] = {}   # what the ranks' adapter slots hold
 
     def forward(self, batch: ForwardBatch, on_layer_done=None):
         if torch.get_num_threads() != self.group.threads:
             # the leader's share on whichever thread steps (a server's engine thread
             # starts with the process's default, and its thread hooks would borrow more)
             torch.set_num_threads(self.group.threads)
-        self.group.send(batch)
+        self.group.send(RankStep(batch, self._new_adapters(batch)))
         lagged = LayerDoneAfterAllReduce(on_layer_done) if on_layer_done is not None else None
         try:
             out = super().forward(batch, lagged)
@@ -159,6 +187,16 @@ class TensorParallelRunner(ModelRunner):
             self.group.fail(str(err))
         except Exception as err:   # the ranks may be inside this step's all-reduces: out of step now
             self.group.fail(f"the leader's step failed ({type(err).__name__}: {err})")
+
+
+    def _new_adapters(self, batch: ForwardBatch) -> dict[int, tuple[SlotContents, bytes]]:
+        loads = {}
+        for slot in set(batch.lora_slots or ()) - {0}:
+            contents = self.lora_pool.contents(slot)
+            if self.ranks_hold.get(slot) != contents:
+                loads[slot] = (contents, pickle.dumps(self.lora_pool.adapter(slot)))
+                self.ranks_hold[slot] = contents
+        return loads
 
 
 class LayerDoneAfterAllReduce:

@@ -9,6 +9,12 @@ fused output. An adapter of rank ``r`` fills the first ``parts * r`` columns (it
 :meth:`LoRAPool.width`, what the deltas compute over), the rest stay zero; its scaling
 is folded into B at load. Slot 0 stays zero: "no adapter".
 
+With tensor parallelism each rank holds its share of every adapter (``slices``: each
+projection's inputs and outputs the rank computes, backends/parallel/sharding.py); the
+leader's pool takes slots, and the other ranks' pools :meth:`LoRAPool.mirror` what the
+leader's slots hold, step by step, from the weights the leader read (no rank reads the
+files again: they may have changed or gone since).
+
 Slots are taken by name: a request acquires its adapter's slot (loading it into a free
 one, or into the least recently used one no running request holds) and releases it when
 it finishes; when every slot is held, acquiring another adapter is an error.
@@ -53,7 +59,27 @@ class Slot:
     path: str
     groups: frozenset[str]      # the module groups the adapter changes
     rank: int
+    generation: int             # the pool's load count when it was loaded: which load this is
+    adapter: LoRAAdapter        # as read (whole): what other ranks cut their shares from
     refs: int = 0               # running requests holding it
+
+
+@dataclass(slots=True, frozen=True)
+class SlotContents:
+    """What a slot holds, as another rank's pool mirrors it: the adapter, its files and
+    which load of them (a name reloaded from the same files is another load)."""
+    name: str
+    path: str
+    generation: int
+
+
+def local_shapes(shapes: dict[str, tuple[int, int]],
+                 slices: dict[str, tuple[slice, slice]]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection's share under ``slices`` (none: whole)."""
+    def size(n: int, cut: slice) -> int:
+        return len(range(n)[cut])
+    return {m: (size(i, slices[m][0]), size(o, slices[m][1])) if m in slices else (i, o)
+            for m, (i, o) in shapes.items()}
 
 
 def lora_dtype(device: str | torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -65,15 +91,18 @@ def lora_dtype(device: str | torch.device, model_dtype: torch.dtype) -> torch.dt
 
 class LoRAPool:
     """``max_loras`` adapter slots (1..max_loras; 0 is "no adapter") of rank up to
-    ``max_rank``, on ``device`` in ``dtype`` (:func:`lora_dtype`)."""
+    ``max_rank``, on ``device`` in ``dtype`` (:func:`lora_dtype`); ``slices``: a
+    tensor-parallel rank's inputs and outputs of each projection (None: the whole model)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 slices: dict[str, tuple[slice, slice]] | None = None):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras={max_loras}, max_lora_rank={max_rank}; allowed: integers >= 1")
         self.config, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         self.device, self.dtype = torch.device(device), dtype
-        shapes = module_shapes(cfg)
+        self.slices = slices or {}
+        shapes = self.shapes = local_shapes(module_shapes(cfg), self.slices)
         self.A: dict[str, list[torch.Tensor]] = {}
         self.B: dict[str, list[torch.Tensor]] = {}
         # per group, the output column where each module's part starts, and the end
@@ -174,10 +203,29 @@ class LoRAPool:
     def groups(self, slot: int) -> frozenset[str]:
         return self.slots[slot].groups if slot else frozenset()
 
+    def contents(self, slot: int) -> SlotContents:
+        s = self.slots[slot]
+        return SlotContents(s.name, s.path, s.generation)
+
+    def adapter(self, slot: int) -> LoRAAdapter:
+        return self.slots[slot].adapter
+
+    def mirror(self, slot: int, contents: SlotContents, adapter: LoRAAdapter) -> None:
+        """Hold in ``slot`` what the leader's pool holds there (``adapter``, as the leader
+        read it): a rank's pool, whose slots the leader takes."""
+        old = self.by_name.pop(contents.name, None)
+        if old is not None and old != slot:
+            del self.slots[old]
+        held = self.slots.get(slot)
+        if held is not None:
+            self.by_name.pop(held.name, None)
+        self.load(slot, adapter, contents.path, contents.generation)
+
     # -- weights -----------------------------------------------------------------------
-    def load(self, slot: int, adapter: LoRAAdapter, path: str = "") -> None:
-        """Write ``adapter`` into ``slot`` (its scaling folded into B), replacing what was there."""
-        shapes, r = module_shapes(self.config), adapter.rank
+    def load(self, slot: int, adapter: LoRAAdapter, path: str = "", generation: int | None = None) -> None:
+        """Write ``adapter`` into ``slot`` (its scaling folded into B, cut to this rank's
+        share), replacing what was there; ``generation``: the leader's, when mirroring."""
+        shapes, r = self.shapes, adapter.rank
         for g, modules in GROUPS.items():
             for layer in range(self.config.num_hidden_layers):
                 A, B = self.A[g][layer][slot], self.B[g][layer][slot]
@@ -188,14 +236,16 @@ class LoRAPool:
                     out = shapes[m][1]
                     ab = adapter.weights.get((layer, m))
                     if ab is not None:
+                        inputs, outputs = self.slices.get(m, (slice(None), slice(None)))
                         rows = slice(j * r, (j + 1) * r)
-                        A[:, rows] = ab[0].T.to(A.dtype)
-                        B[rows, col:col + out] = (ab[1].T.double() * adapter.scaling).to(B.dtype)
+                        A[:, rows] = ab[0][:, inputs].T.to(A.dtype)
+                        B[rows, col:col + out] = (ab[1][outputs].T.double() * adapter.scaling).to(B.dtype)
                     col += out
         groups = frozenset(g for g, ms in GROUPS.items() if adapter.target_modules & set(ms))
-        self.slots[slot] = Slot(adapter.name, path, groups, r)
-        self.by_name[adapter.name] = slot
         self.loads += 1
+        self.slots[slot] = Slot(adapter.name, path, groups, r,
+                                self.loads if generation is None else generation, adapter)
+        self.by_name[adapter.name] = slot
 
     def weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A ``[slots, in, rank]`` and B ``[slots, rank, out]`` of one fused linear layer."""

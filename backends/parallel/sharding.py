@@ -9,7 +9,8 @@ down to it (Megatron's split, as vLLM and SGLang shard Llama):
 - KV heads are split when there are at least as many as ranks; with fewer, each KV head
   is replicated on ``tp / num_kv_heads`` ranks, which split its query heads;
 - embeddings, norms and the lm_head stay whole on every rank (the leader computes the
-  logits; a small model's vocabulary is cheap next to the all-gather a split would need).
+  logits; a small model's vocabulary is cheap next to the all-gather a split would need);
+- a LoRA adapter is cut as its projection is (:func:`projection_slices`).
 
 >>> from tandem.backends.models.config import ModelConfig
 >>> cfg = ModelConfig("llama", 32, 64, 96, 1, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
@@ -83,6 +84,20 @@ def q_heads(cfg: ModelConfig, tp: int, rank: int) -> range:
 def mlp_columns(cfg: ModelConfig, tp: int, rank: int) -> range:
     n = cfg.intermediate_size // tp
     return range(rank * n, (rank + 1) * n)
+
+
+def projection_slices(cfg: ModelConfig, tp: int, rank: int) -> dict[str, tuple[slice, slice]]:
+    """Per projection (HF's module names), the input features and output features rank
+    ``rank`` computes, in that projection's own coordinates: column-parallel q/k/v and
+    gate/up keep every input and the rank's outputs, row-parallel o and down the rank's
+    inputs and every output. What a LoRA adapter's A (inputs) and B (outputs) are cut to:
+    its delta is then the rank's share exactly as the base's is (a row-parallel delta a
+    partial sum the layer's all-reduce completes)."""
+    d, q, kv, cols = cfg.head_dim, q_heads(cfg, tp, rank), kv_heads(cfg, tp, rank), mlp_columns(cfg, tp, rank)
+    every, mlp = slice(None), slice(cols.start, cols.stop)
+    return {"q_proj": (every, _rows(q, d)), "k_proj": (every, _rows(kv, d)), "v_proj": (every, _rows(kv, d)),
+            "o_proj": (_rows(q, d), every), "gate_proj": (every, mlp), "up_proj": (every, mlp),
+            "down_proj": (mlp, every)}
 
 
 def _rows(heads: range, head_dim: int, offset: int = 0) -> slice:

@@ -162,13 +162,6 @@ class ServeOptions:
         if engine.decode_tensor_parallel_size and self.mode == "prefill":
             raise ServerError("--decode-tp with --mode prefill: a prefill server runs no decode engine; allowed: "
                               "--tp or --prefill-tp")
-        # each engine's ranks, under the flag that set them
-        flag, tp = max([("--tp", engine.tensor_parallel_size),
-                        ("--prefill-tp", engine.prefill_tensor_parallel_size),
-                        ("--decode-tp", engine.decode_tensor_parallel_size)], key=lambda kv: kv[1])
-        if tp > 1 and engine.max_loras:
-            raise ServerError(f"{flag} {tp} with --max-loras {engine.max_loras}: LoRA adapters are not split over "
-                              "ranks yet; allowed: one of them")
 
     def template_values(self) -> dict[str, str]:
         engine = self.engine

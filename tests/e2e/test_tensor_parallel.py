@@ -6,7 +6,10 @@ supervisor restarts the model with a new rank, and the text is right again; stop
 the server leaves no rank behind. Disaggregated, through the ``tandem`` ensemble: prefill
 at 2 ranks feeds decode at 1 (each page rebuilt from the prefill ranks' halves), and both
 at 2 (rank to rank), and the text is the same; a killed prefill rank or decode rank
-restarts its model. (Lossless speculation makes the draft case's text the reference's.)"""
+restarts its model. (Lossless speculation makes the draft case's text the reference's.)
+Every server serves a LoRA adapter too (each rank holds its share of it): its text at 2
+ranks, colocated, and through prefill and decode at their splits, is the one-rank
+offline engine's with the adapter."""
 from __future__ import annotations
 
 import os
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.e2e
 SETTINGS = dict(max_num_seqs=8, page_size=4)
 PROMPT, MAX_TOKENS = "def fibonacci(n):\n    ", 12
 ENSEMBLE = "tandem_colocated"
+LORA = dict(max_loras=1, max_lora_rank=8)
 
 
 def ranks_of(pid: int) -> list[int]:
@@ -52,8 +56,35 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    with serve("serve-tp", 300, mode="colocated", tensor_parallel_size=2, torch_threads=2, **SETTINGS) as srv:
+def adapter(demo_checkpoint, tmp_path_factory) -> Path:
+    from ..unit.lora.adapters import make_adapter
+    return make_adapter(demo_checkpoint, tmp_path_factory.mktemp("tp-adapter") / "a", seed=1, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def lora_settings(adapter, tmp_path_factory) -> dict:
+    """A server's LoRA settings: adapter "a" in its registry (as --lora-modules a=DIR)."""
+    from tandem.backends.triton.lora_registry import AdapterRegistry
+    registry = tmp_path_factory.mktemp("tp-loras")
+    AdapterRegistry(registry).add("a", str(adapter))
+    return dict(LORA, lora_dir=str(registry))
+
+
+@pytest.fixture(scope="module")
+def lora_reference(offline_llm, adapter) -> str:
+    from tandem.backends import SamplingParams
+    from tandem.backends.lora import LoRARequest
+    llm = offline_llm(**LORA, **SETTINGS)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    out = llm.generate(PROMPT, greedy, lora=LoRARequest("a", 1, str(adapter)))[0].text
+    assert out != llm.generate(PROMPT, greedy)[0].text, "the adapter changes the text"
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(serve, lora_settings):
+    with serve("serve-tp", 300, mode="colocated", tensor_parallel_size=2, torch_threads=2, **SETTINGS,
+               **lora_settings) as srv:
         yield srv
         ranks = [r for s in srv.stubs() if s.model == "llm" for r in ranks_of(s.pid)]
         srv.stop()
@@ -66,9 +97,9 @@ def reference(greedy_reference):
     return greedy_reference(MAX_TOKENS, **SETTINGS)(PROMPT).text
 
 
-def text(server, ensemble: str = ENSEMBLE) -> str:
+def text(server, ensemble: str = ENSEMBLE, **params) -> str:
     rs = list(stream_generate(server.grpc_url, PROMPT, model=ensemble, timeout_s=60, max_tokens=MAX_TOKENS,
-                              temperature=0.0, stream=True))
+                              temperature=0.0, stream=True, **params))
     return "".join(r.text for r in rs)
 
 
@@ -81,6 +112,11 @@ def test_two_ranks_serve_the_one_rank_engines_text(server, reference):
     stub = stub_of(server)
     assert len(ranks_of(stub.pid)) == 1, "the llm stub started one rank process"
     assert text(server) == reference
+
+
+def test_an_adapter_on_two_ranks_serves_the_one_rank_engines_text(server, lora_reference, reference):
+    assert text(server, lora_name="a") == lora_reference
+    assert text(server) == reference, "the base beside it is untouched"
 
 
 def kill_a_rank_and_recover(server, model: str, ensemble: str, reference: str, fails: bool = True) -> None:
@@ -122,7 +158,7 @@ SPLITS = {"prefill-2-decode-1": dict(prefill_tensor_parallel_size=2, decode_tens
 
 
 @pytest.fixture(scope="module", params=list(SPLITS))
-def disaggregated(serve, demo_checkpoint, request):
+def disaggregated(serve, demo_checkpoint, lora_settings, request):
     """Prefill at 2 ranks feeding decode at 1 (each page rebuilt from the two prefill
     ranks' halves), and both at 2 (``--tp 2``: rank to rank) speculating with a draft
     model (the checkpoint itself: it runs whole on rank 0 of each side, its KV sent whole
@@ -130,7 +166,7 @@ def disaggregated(serve, demo_checkpoint, request):
     split = SPLITS[request.param]
     draft = dict(draft_model=str(demo_checkpoint)) if split.get("spec_method") == "draft_target" else {}
     with serve(f"serve-tp-{request.param}", 300, mode="disaggregated", torch_threads=2, disagg_policy="remote",
-               **split, **draft, **SETTINGS) as srv:
+               **split, **draft, **SETTINGS, **lora_settings) as srv:
         yield srv, request.param
         ranks = [r for s in srv.stubs() if s.model in ("decode", "prefill") for r in ranks_of(s.pid)]
         srv.stop()
@@ -138,10 +174,8 @@ def disaggregated(serve, demo_checkpoint, request):
         eventually(lambda: not any(alive(r) for r in ranks), timeout_s=30)
 
 
-def remote_text(server) -> str:
-    rs = list(stream_generate(server.grpc_url, PROMPT, model="tandem", timeout_s=60, max_tokens=MAX_TOKENS,
-                              temperature=0.0, stream=True))
-    return "".join(r.text for r in rs)
+def remote_text(server, **params) -> str:
+    return text(server, "tandem", **params)
 
 
 def test_prefill_and_decode_ranks_serve_the_one_rank_engines_text(disaggregated, reference):
@@ -155,6 +189,14 @@ def test_prefill_and_decode_ranks_serve_the_one_rank_engines_text(disaggregated,
                    "the prompt was not prefilled by the prefill process", path="remote", reason="policy")
     if split.get("spec_method") == "draft_target":
         metric_reaches(disaggregated, "tandem_spec_drafts_total", "decode", 1, "decode never drafted")
+
+
+def test_an_adapters_prompt_is_prefilled_and_decoded_under_it_at_each_split(disaggregated, lora_reference):
+    disaggregated = disaggregated[0]
+    before = metric(disaggregated, "tandem_disagg_requests_total", "kv_transfer", path="remote", reason="policy")
+    assert remote_text(disaggregated, lora_name="a") == lora_reference
+    metric_reaches(disaggregated, "tandem_disagg_requests_total", "kv_transfer", before + 1,
+                   "the prompt was not prefilled by the prefill process", path="remote", reason="policy")
 
 
 def test_a_killed_rank_restarts_its_model(disaggregated, reference):

@@ -579,8 +579,6 @@ def test_every_model_config_parses(name):
     (dict(mode="prefill", decode_tensor_parallel_size=2), "--decode-tp with --mode prefill: a prefill server runs "
                                                           "no decode engine"),
     (dict(mode="disaggregated", decode_tensor_parallel_size=-1), "--decode-tp -1; allowed: an integer >= 1"),
-    (dict(mode="disaggregated", prefill_tensor_parallel_size=2, max_loras=2), "--prefill-tp 2 with --max-loras 2"),
-    (dict(mode="colocated", tensor_parallel_size=2, max_loras=1), "--tp 2 with --max-loras 1"),
     (dict(mode="colocated", tensor_parallel_size=0), "--tp 0; allowed: an integer >= 1"),
 ])
 def test_a_tensor_parallel_split_the_server_cannot_run_is_refused(tmp_path, options, problem):

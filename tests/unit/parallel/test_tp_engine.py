@@ -131,7 +131,6 @@ def test_the_ranks_end_with_the_engine(target_dir):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(tensor_parallel_size=3), "num_attention_heads 4"),
-    (dict(tensor_parallel_size=2, max_loras=1), "LoRA adapters are not split"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
 ])
 def test_a_split_the_engine_cannot_run_is_refused_before_any_rank_starts(target_dir, kw, message):
