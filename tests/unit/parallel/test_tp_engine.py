@@ -32,20 +32,6 @@ def hf_greedy(model_dir, ps) -> list[list[int]]:
     return [list(t) for t in merged_greedy(str(model_dir), None, tuple(map(tuple, ps)), NEW_TOKENS)]
 
 
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(model_dir, **kw) -> LLM:
-        llm = LLM(model_dir, dtype="float32", **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.close()
-
-
 def test_two_ranks_match_one_rank_and_hf(tiny_checkpoint, engines):
     ps = prompts()
     llm = engines(tiny_checkpoint, tensor_parallel_size=2)

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tandem.backends import LLM, SamplingParams, SpeculativeConfig
+from tandem.backends import SpeculativeConfig
 from tandem.backends.engine import EngineConfig
 from tandem.backends.engine.prefill_engine import PrefillEngine
 from tandem.backends.lora import LoRARequest
@@ -22,15 +22,8 @@ from tandem.backends.models.config import ModelConfig
 from tandem.backends.parallel.sharding import projection_slices
 
 from ..lora.adapters import TARGET_SETS, make_adapter, merged_greedy
+from .test_tp_engine import GREEDY, NEW_TOKENS, prompts
 from .test_tp_prefill import PROMPTS, whole_kv
-
-NEW_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-
-
-def prompts(n=4, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 384, (m,), generator=g).tolist() for m in (5, 21, 12, 9)[:n]]
 
 
 def reference(target_dir, lora: LoRARequest | None, ps) -> list[list[int]]:
@@ -43,20 +36,6 @@ def adapters(target_dir, checkpoint_root):
     return {name: LoRARequest(name, i, str(make_adapter(
                 target_dir, checkpoint_root / f"tp_lora_{name}", TARGET_SETS[name], seed=10 + i, **shapes[name])))
             for i, name in enumerate(TARGET_SETS, 1)}
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(model_dir, **kw) -> LLM:
-        llm = LLM(model_dir, dtype="float32", **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.close()
 
 
 def test_a_ranks_share_of_an_adapter_is_its_projections_share():
@@ -76,7 +55,7 @@ def test_a_ranks_share_of_an_adapter_is_its_projections_share():
 @pytest.mark.parametrize("tp,kernels", [(2, "all"), (2, "0"), (4, "all")])
 def test_a_mixed_batch_on_split_ranks_matches_peft_merged(target_dir, adapters, engines, monkeypatch, tp, kernels):
     monkeypatch.setenv("TANDEM_CPU_KERNELS", kernels)     # the ranks start with it too
-    ps = prompts()
+    ps = prompts(4, seed=7)
     loras = [adapters["attention"], None, adapters["all"], adapters["mlp"]]
     llm = engines(target_dir, tensor_parallel_size=tp, max_loras=3, max_lora_rank=8)
     got = [o.token_ids for o in llm.generate(ps, GREEDY, lora=loras)]
