@@ -57,12 +57,14 @@ class RankStep:
 
 
 def rank_lora_pool(config: EngineConfig, model: LlamaForCausalLM, tp: int, rank: int) -> LoRAPool | None:
-    """Rank ``rank``'s share of the adapter slots (None: LoRA is off)."""
+    """Rank ``rank``'s share of the adapter slots (None: LoRA is off); a split leader's
+    keeps each adapter as read, for its ranks."""
     if not config.max_loras:
         return None
+    split = tp > 1
     return LoRAPool(model.config, config.max_loras, config.max_lora_rank, config.device,
                     lora_dtype(config.device, model.embed_tokens.weight.dtype),
-                    projection_slices(model.config, tp, rank) if tp > 1 else None)
+                    projection_slices(model.config, tp, rank) if split else None, keep_read=split and rank == 0)
 
 
 def start_ranks(config: EngineConfig, num_pages: int,

@@ -60,7 +60,7 @@ class Slot:
     groups: frozenset[str]      # the module groups the adapter changes
     rank: int
     generation: int             # the pool's load count when it was loaded: which load this is
-    adapter: LoRAAdapter        # as read (whole): what other ranks cut their shares from
+    adapter: LoRAAdapter | None  # as read (whole), for other ranks to cut their shares from
     refs: int = 0               # running requests holding it
 
 
@@ -92,16 +92,17 @@ def lora_dtype(device: str | torch.device, model_dtype: torch.dtype) -> torch.dt
 class LoRAPool:
     """``max_loras`` adapter slots (1..max_loras; 0 is "no adapter") of rank up to
     ``max_rank``, on ``device`` in ``dtype`` (:func:`lora_dtype`); ``slices``: a
-    tensor-parallel rank's inputs and outputs of each projection (None: the whole model)."""
+    tensor-parallel rank's inputs and outputs of each projection (None: the whole model);
+    ``keep_read``: keep each adapter as read (a leader's, whose ranks get it from there)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 slices: dict[str, tuple[slice, slice]] | None = None):
+                 slices: dict[str, tuple[slice, slice]] | None = None, keep_read: bool = False):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras={max_loras}, max_lora_rank={max_rank}; allowed: integers >= 1")
         self.config, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         self.device, self.dtype = torch.device(device), dtype
-        self.slices = slices or {}
+        self.slices, self.keep_read = slices or {}, keep_read
         shapes = self.shapes = local_shapes(module_shapes(cfg), self.slices)
         self.A: dict[str, list[torch.Tensor]] = {}
         self.B: dict[str, list[torch.Tensor]] = {}
@@ -208,7 +209,11 @@ class LoRAPool:
         return SlotContents(s.name, s.path, s.generation)
 
     def adapter(self, slot: int) -> LoRAAdapter:
-        return self.slots[slot].adapter
+        """``slot``'s adapter as read (a pool made with ``keep_read``)."""
+        adapter = self.slots[slot].adapter
+        if adapter is None:
+            raise ValueError("this LoRA pool does not keep the adapters it read (keep_read=False)")
+        return adapter
 
     def mirror(self, slot: int, contents: SlotContents, adapter: LoRAAdapter) -> None:
         """Hold in ``slot`` what the leader's pool holds there (``adapter``, as the leader
@@ -244,7 +249,8 @@ class LoRAPool:
         groups = frozenset(g for g, ms in GROUPS.items() if adapter.target_modules & set(ms))
         self.loads += 1
         self.slots[slot] = Slot(adapter.name, path, groups, r,
-                                self.loads if generation is None else generation, adapter)
+                                self.loads if generation is None else generation,
+                                adapter if self.keep_read else None)
         self.by_name[adapter.name] = slot
 
     def weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
