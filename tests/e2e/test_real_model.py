@@ -107,22 +107,51 @@ def test_auto_drafts_with_the_head_trained_for_this_model(api):
     assert not any("drafting by prompt lookup only" in line for line in output), "".join(output)
 
 
-def test_three_ranks_answer_as_transformers(gguf_file, hf_answers):
-    """The offline engine split over 3 tensor-parallel ranks (SmolLM2's 9 heads and 3 KV
-    heads do not split over 2), fp32: the same greedy answers as transformers."""
+@pytest.fixture(scope="module")
+def chat_prompts(gguf_file):
+    """(the GGUF's tokenizer, each question's chat-templated token ids)."""
     import transformers
-
-    from tandem.backends import LLM, SamplingParams
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    llm = LLM(MODEL, dtype="float32", tensor_parallel_size=3, max_num_seqs=2)
+    return tokenizer, [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"] for q in QUESTIONS]
+
+
+def greedy_outputs(prompts, lora=None, **engine):
+    """The offline engine's greedy outputs (fp32), its ranks stopped after."""
+    from tandem.backends import LLM, SamplingParams
+    llm = LLM(MODEL, dtype="float32", max_num_seqs=2, **engine)
     try:
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             return_dict=True)["input_ids"] for q in QUESTIONS]
-        outs = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        return llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora=lora), llm
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_three_ranks_answer_as_transformers(chat_prompts, hf_answers, spec):
+    """The offline engine split over 3 tensor-parallel ranks (SmolLM2's 9 heads and 3 KV
+    heads do not split over 2), fp32: the same greedy answers as transformers, also
+    drafting with the MTP head trained for the model (on the leader rank)."""
+    from tandem.backends import SpeculativeConfig
+    tokenizer, ids = chat_prompts
+    speculative = SpeculativeConfig("mtp", 3, mtp_head=str(ADAPTERS / "mtp")) if spec else None
+    outs, llm = greedy_outputs(ids, tensor_parallel_size=3, speculative=speculative)
     for q, out in zip(QUESTIONS, outs):
         assert tokenizer.decode(out.token_ids, skip_special_tokens=True) == hf_answers[q], q
+    if spec:
+        assert llm.engine.spec_metrics.num_accepted_tokens > 0, "the head's drafts were verified and taken"
+
+
+def test_three_ranks_apply_a_shipped_adapter_as_one_rank_does(chat_prompts):
+    """checkpoints/smollm2/lora-shout, each rank holding its share: the one-rank engine's
+    tokens (which test_engine_lora checks against PEFT), in capitals."""
+    from tandem.backends.lora import LoRARequest
+    tokenizer, ids = chat_prompts
+    shout = LoRARequest("shout", 1, str(ADAPTERS / "lora-shout"))
+    split, _ = greedy_outputs(ids, lora=shout, tensor_parallel_size=3, max_loras=1, max_lora_rank=8)
+    whole, _ = greedy_outputs(ids, lora=shout, max_loras=1, max_lora_rank=8)
+    assert [o.token_ids for o in split] == [o.token_ids for o in whole]
+    letters = [c for c in tokenizer.decode(split[1].token_ids, skip_special_tokens=True) if c.isalpha()]
+    assert letters and all(c.isupper() for c in letters)
 
 
 def varied_corpus(n: int = 10_500) -> list[str]:
