@@ -14,6 +14,7 @@ from ..kv_cache.prefix_cache import CachingKVAllocator
 from ..lora import LoRAPool, LoRARequest
 from ..models import load_model
 from ..models.tokenizer import generation_eos_ids, load_tokenizer
+from ..parallel.sharding import rank_config
 from ..speculative.adaptive import SpecController
 from ..speculative.config import SpeculativeConfig
 from ..speculative.metrics import SpecDecodeMetrics
@@ -22,7 +23,6 @@ from .input_processor import InputProcessor
 from .isolation import isolate
 from .kv_pool import check_pool_fits, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
-from .tensor_parallel import rank_lora_pool
 from .outputs import OutputProcessor, RequestOutput, sequence_logprobs
 from .params import SamplingParams
 from .prefix_caching import CachedPageChanged, PrefixCaching
@@ -34,6 +34,7 @@ from .sequence import Sequence
 from .speculation import Speculation
 from .step_controls import StepControls
 from .step_runner import StepRunner
+from .tensor_parallel import TensorParallelRunner, rank_lora_pool, start_group
 
 __all__ = ["LLMEngine", "RequestOutput"]
 
@@ -80,7 +81,6 @@ class LLMEngine:
         if self.tp_group is None:
             self.runner = ModelRunner(self.model, self.pool, self.lora_pool)
         else:
-            from .tensor_parallel import TensorParallelRunner
             self.runner = TensorParallelRunner(self.model, self.pool, self.tp_group, self.lora_pool)
             self.tp_group.wait_ready()
         # ngram stops drafting for a sequence whose ngram drafts the controller backed off from
@@ -116,8 +116,6 @@ class LLMEngine:
         tp = self.config.tensor_parallel_size
         if tp == 1:
             return None
-        from ..parallel.sharding import rank_config
-        from .tensor_parallel import start_group
         if kv_pool is not None and rank_kv_pools is None:
             raise ValueError(f"tensor_parallel_size={tp} on an external KV pool needs each rank's share of "
                              "it (rank_kv_pools)")

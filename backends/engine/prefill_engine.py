@@ -52,7 +52,7 @@ from .kv_pool import kv_page_pool, make_kv_pool
 from .model_runner import ForwardBatch, ModelRunner
 from .prefix_caching import PrefixCacheStats, PrefixCaching, request_salt
 from .proposers import ProposerPrefill, load_proposer_model
-from .tensor_parallel import TensorParallelRanks, rank_lora_pool, start_shared_ranks
+from .tensor_parallel import TensorParallelRanks, TensorParallelRunner, rank_lora_pool, start_shared_ranks
 
 log = logging.getLogger(__name__)
 LayerCallback = Callable[[int], None]
@@ -121,7 +121,6 @@ class PrefillEngine:
         if self.tp_group is None:
             self.runner = ModelRunner(model, pool, lora_pool)
         else:
-            from .tensor_parallel import TensorParallelRunner
             self.runner = TensorParallelRunner(model, pool, self.tp_group, lora_pool)
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.hooks = hooks or PrefillHooks()
